@@ -1,0 +1,101 @@
+"""The main job: load a model, prefill a long prompt, decode, report speed and memory.
+
+    python experiments/decode.py                       # SmolLM2 finds a pass key hidden in ~6K tokens
+    python experiments/decode.py --prompt="What is the capital of France?"
+    python experiments/decode.py --model=random:llama3-8b --context_len=131072 --max_new_tokens=32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import sys
+
+from absl import app, flags
+
+import kvjax
+from kvjax import cli
+from kvjax.policies import make_policy
+
+cli.define_flags()
+flags.DEFINE_string("json_out", None, "Also write the report as JSON to this file.")
+FLAGS = flags.FLAGS
+
+SENTENCES_PER_TOKEN = 1 / 8.5  # the built-in filler's sentence length in SmolLM2 tokens
+
+
+def _prompt(model):
+  """(prompt, expected pass key or None) from the flags."""
+  if FLAGS.prompt is not None and FLAGS.prompt_file is not None:
+    raise app.UsageError("give --prompt or --prompt_file, not both")
+  if FLAGS.prompt is not None:
+    return FLAGS.prompt, None
+  if FLAGS.prompt_file is not None:
+    with open(FLAGS.prompt_file, encoding="utf-8") as f:
+      return f.read(), None
+  if model.tokenizer is None:  # random weights: random token ids of the asked length
+    import numpy as np
+
+    length = FLAGS.context_len or 6000
+    ids = np.random.default_rng(FLAGS.seed).integers(0, model.cfg.vocab_size, size=length)
+    return [int(t) for t in ids], None
+  sentences = max(1, round((FLAGS.context_len or 6000) * SENTENCES_PER_TOKEN))
+  built = kvjax.passkey_prompt(num_sentences=sentences, seed=FLAGS.seed)
+  return built.text, built.passkey
+
+
+def _progress(done: int, total: int) -> None:
+  if total >= 4096:
+    print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.save_context or FLAGS.load_context:
+    raise app.UsageError("--save_context/--load_context need a retrieval policy, which this version lacks")
+  policy_cls = type(make_policy(FLAGS.policy))
+  options = cli.policy_options(policy_cls, FLAGS)
+  policy = make_policy(FLAGS.policy, **options)
+  dtype = cli.resolve_dtype(FLAGS.dtype)
+  model = kvjax.load_model(FLAGS.model, dtype=dtype)
+  if FLAGS.rope_scaling:
+    scaling = cli.parse_rope_scaling(FLAGS.rope_scaling, model.cfg.max_position)
+    model = dataclasses.replace(model, cfg=model.cfg.with_rope_scaling(scaling))
+  prompt, passkey = _prompt(model)
+  prompts = [prompt] * FLAGS.batch
+  result = kvjax.generate(
+      model, prompts, max_new_tokens=FLAGS.max_new_tokens, policy=policy, temperature=FLAGS.temperature,
+      top_p=FLAGS.top_p, seed=FLAGS.seed, prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress)
+
+  answer = result.texts[0] if result.texts is not None else " ".join(map(str, result.tokens[0]))
+  report = {
+      "model": model.cfg.name,
+      "dtype": dtype,
+      "policy": result.policy,
+      "batch": FLAGS.batch,
+      "prompt_tokens": result.prompt_lengths[0],
+      "generated_tokens": len(result.tokens[0]),
+      "prefill_seconds": round(result.prefill_seconds, 3),
+      "prefill_tokens_per_second": round(result.prefill_tokens_per_second, 1),
+      "decode_ms_per_token": round(result.ms_per_token, 3),
+      "kv_cache_bytes": result.kv_bytes,
+      "peak_device_bytes": result.peak_device_bytes,
+      "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  }
+  print(f"answer: {answer!r}")
+  if passkey is not None:
+    found = passkey in answer
+    report["passkey"] = passkey
+    report["passkey_found"] = found
+    print(f"pass key {passkey}: {'found' if found else 'NOT found'}")
+  for key, value in report.items():
+    print(f"{key}: {value}")
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, "w") as f:
+      json.dump(report | {"answer": answer}, f, indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,33 @@
+"""kvjax: long-context decoding with a CPU-offloaded, retrieval-based KV cache.
+
+    import kvjax
+    model = kvjax.load_model("smollm2")
+    result = kvjax.generate(model, "What is the capital of France?", max_new_tokens=16)
+    print(result.texts[0], result.ms_per_token)
+"""
+
+from kvjax.generate import GenerationResult, check_context, generate
+from kvjax.policies import AttentionPolicy, make_policy, policy_names
+from kvjax.prompts import PasskeyPrompt, passkey_prompt
+from kvjax.sampling import SamplingConfig
+
+
+def load_model(name_or_path: str = "smollm2", **kwargs):
+  """Loads a model by name or path (see models.registry.load_model)."""
+  from models.registry import load_model as _load
+
+  return _load(name_or_path, **kwargs)
+
+
+__all__ = [
+    "AttentionPolicy",
+    "GenerationResult",
+    "PasskeyPrompt",
+    "SamplingConfig",
+    "check_context",
+    "generate",
+    "load_model",
+    "make_policy",
+    "passkey_prompt",
+    "policy_names",
+]

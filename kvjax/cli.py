@@ -1,0 +1,97 @@
+"""absl flags shared by experiments/decode.py and the study scripts, and their checks.
+
+Policy flags default to None ("not given"): a flag given for a policy that does not use it
+is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from models.config import RopeScaling
+
+# The policy option each policy-specific flag maps to; a policy accepts the flags whose option
+# names are fields of its dataclass.
+POLICY_FLAGS = {
+    "index": "index",
+    "retrieval_topk": "topk",
+    "sinks": "sinks",
+    "window": "window",
+    "budget": "budget",
+    "page_size": "page_size",
+    "speculative": "speculative",
+    "tau": "tau",
+    "dense_layers": "dense_layers",
+}
+
+
+def define_flags() -> None:
+  """Defines the shared flags (call once at import time of a CLI)."""
+  flags.DEFINE_string("model", "smollm2", "Model name (smollm2, gemma3-270m, qwen2.5-0.5b, random:tiny, "
+                      "random:llama3-8b, ...), a .gguf file, or a Hugging Face checkpoint directory.")
+  flags.DEFINE_string("prompt", None, "Prompt text; default: the built-in pass-key prompt.")
+  flags.DEFINE_string("prompt_file", None, "Read the prompt from this file.")
+  flags.DEFINE_integer("context_len", None, "Approximate prompt length in tokens for the built-in prompt "
+                       "(random token ids for random models); default ~6K.")
+  flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
+  flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 is greedy.")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+  flags.DEFINE_integer("seed", 0, "Seed of the prompt generator and the sampler.")
+  flags.DEFINE_integer("batch", 1, "Copies of the prompt decoded together.")
+  flags.DEFINE_string("policy", "full", "Attention policy.")
+  flags.DEFINE_string("index", None, "Host index kind (retrieval): roar, graph, ivf or flat.")
+  flags.DEFINE_integer("retrieval_topk", None, "Keys retrieved per query head and step (retrieval).")
+  flags.DEFINE_integer("sinks", None, "First tokens kept on the device.")
+  flags.DEFINE_integer("window", None, "Most recent tokens kept on the device.")
+  flags.DEFINE_integer("budget", None, "Tokens attended per step (sinks + window + selected).")
+  flags.DEFINE_integer("page_size", None, "Tokens per page (freekv, quest).")
+  flags.DEFINE_boolean("speculative", None, "Reuse the previous step's selection, correct drifted heads.")
+  flags.DEFINE_float("tau", None, "Correction threshold on the group-mean query cosine similarity.")
+  flags.DEFINE_list("dense_layers", None, "Layers kept dense under a sparse policy.")
+  flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
+  flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "
+                      "float32, bfloat16 or float16.")
+  flags.DEFINE_string("save_context", None, "Save the prefilled context to this path.")
+  flags.DEFINE_string("load_context", None, "Decode from a saved context instead of prefilling.")
+  flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
+
+
+def parse_rope_scaling(spec: str | None, original_max_position: int) -> RopeScaling | None:
+  """'linear:4' -> RopeScaling(kind='linear', factor=4, original_max_position=...)."""
+  if not spec:
+    return None
+  kind, sep, factor = spec.partition(":")
+  if not sep:
+    raise app.UsageError(f"--rope_scaling={spec!r} must look like kind:factor, e.g. yarn:4")
+  try:
+    value = float(factor)
+  except ValueError:
+    raise app.UsageError(f"--rope_scaling factor {factor!r} is not a number") from None
+  try:
+    return RopeScaling(kind=kind, factor=value, original_max_position=original_max_position)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def policy_options(policy_cls, flag_values) -> dict:
+  """Options for `policy_cls` from the given policy flags; an inapplicable flag is an error."""
+  fields = set(getattr(policy_cls, "__dataclass_fields__", {}))
+  options = {}
+  for flag, option in POLICY_FLAGS.items():
+    value = getattr(flag_values, flag)
+    if value is None:
+      continue
+    if option not in fields:
+      raise app.UsageError(f"--{flag} does not apply to --policy={flag_values.policy}")
+    options[option] = tuple(int(x) for x in value) if flag == "dense_layers" else value
+  return options
+
+
+def resolve_dtype(spec: str) -> str:
+  import jax
+
+  if spec == "auto":
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+  if spec not in ("float32", "bfloat16", "float16"):
+    raise app.UsageError(f"--dtype={spec!r}; expected auto, float32, bfloat16 or float16")
+  return spec

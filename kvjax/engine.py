@@ -1,0 +1,69 @@
+"""Jitted building blocks of generation: chunked prefill, the first token, one decode step.
+
+Each function takes the policy state as a donated argument, so the KV cache is updated in
+place across chunks and steps instead of being copied.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies.base import AttentionPolicy
+from kvjax.sampling import SamplingConfig, sample
+from models.config import ModelConfig
+from models.decoder import forward_hidden, logits_from_hidden
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("state", "last_hidden"))
+def prefill_chunk(
+    params,
+    rope,  # (inv_freq [L, head_dim // 2], factors [L])
+    tokens,  # [batch, chunk] int32 (padding past a prompt's end is harmless: see generate)
+    positions,  # [batch, chunk] int32
+    last_index,  # [batch] int32: position of each prompt's last token
+    last_hidden,  # [batch, hidden]: hidden state at last_index, filled by the chunk holding it
+    state,
+    *,
+    cfg: ModelConfig,
+    policy: AttentionPolicy,
+):
+  """Runs one prompt chunk through every layer, writing its keys and values into `state`."""
+  attention_fn = functools.partial(policy.attend, cfg)
+  hidden, state = forward_hidden(
+      params, tokens, positions, cfg=cfg, rope=rope, attention_fn=attention_fn, attention_state=state)
+  offset = last_index - positions[:, 0]
+  in_chunk = (offset >= 0) & (offset < tokens.shape[1])
+  picked = hidden[jnp.arange(tokens.shape[0]), jnp.clip(offset, 0, tokens.shape[1] - 1)]
+  return jnp.where(in_chunk[:, None], picked, last_hidden), state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
+def first_token(params, last_hidden, key, *, cfg: ModelConfig, sampling: SamplingConfig):
+  """Samples the first generated token from the prompt's last hidden state [batch, hidden]."""
+  logits = logits_from_hidden(params, cfg, last_hidden)  # [batch, vocab]
+  return sample(logits, key, sampling), logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "sampling"), donate_argnames=("state",))
+def decode_step(
+    params,
+    rope,
+    tokens,  # [batch] int32: the tokens to feed
+    positions,  # [batch] int32: their positions
+    state,
+    key,
+    *,
+    cfg: ModelConfig,
+    policy: AttentionPolicy,
+    sampling: SamplingConfig,
+):
+  """Feeds one token per sequence; returns (next tokens [batch], logits [batch, vocab], state)."""
+  attention_fn = functools.partial(policy.attend, cfg)
+  hidden, state = forward_hidden(
+      params, tokens[:, None], positions[:, None], cfg=cfg, rope=rope, attention_fn=attention_fn,
+      attention_state=state)
+  logits = logits_from_hidden(params, cfg, hidden[:, 0])
+  return sample(logits, key, sampling), logits, state

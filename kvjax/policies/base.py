@@ -1,0 +1,47 @@
+"""The interface every attention policy implements.
+
+A policy is a frozen (hashable) dataclass, so it is a static argument of the jitted prefill
+and decode functions. Its state is a registered pytree holding all layers; the decoder hands
+the whole state to `attend` together with the traced layer index (see models.decoder).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+
+
+class AttentionPolicy(abc.ABC):
+  """Base class of attention policies (full, streaming, quest, retrieval, freekv)."""
+
+  name: str = "abstract"
+
+  @abc.abstractmethod
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:
+    """Empty state for `batch` sequences of up to `capacity` tokens (prompt + generation)."""
+
+  @abc.abstractmethod
+  def attend(
+      self,
+      cfg: ModelConfig,
+      layer,  # [] int32, traced
+      q,  # [batch, seq, num_heads, head_dim] after RoPE, unscaled
+      k,  # [batch, seq, num_kv_heads, head_dim] after RoPE
+      v,  # [batch, seq, num_kv_heads, head_dim]
+      positions,  # [batch, seq] int32
+      state: Any,
+  ) -> tuple[jax.Array, Any]:
+    """Writes the new keys/values into the state and attends; returns ([B, T, Hq, D], state)."""
+
+  def describe(self) -> str:
+    return self.name
+
+
+def layer_window(cfg: ModelConfig, layer):
+  """Sliding window of `layer` (traced int32), 0 for a global layer."""
+  return jnp.asarray(cfg.layer_windows, dtype=jnp.int32)[layer]

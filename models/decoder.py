@@ -1,0 +1,128 @@
+"""A functional decoder for the Llama, Qwen2 and Gemma 3 families.
+
+The model is pure functions over the layer-stacked parameter pytree of `models.config`.
+Attention is injected: the decoder computes q, k, v (after QK-norm and RoPE) and calls
+
+    out, state = attention_fn(layer, q, k, v, positions, state)
+
+    layer      int32 scalar (traced under lax.scan)
+    q          [batch, seq, num_heads, head_dim]
+    k, v       [batch, seq, num_kv_heads, head_dim]
+    positions  [batch, seq] int32 absolute positions
+    state      the attention policy's pytree, whole (all layers)
+    out        [batch, seq, num_heads, head_dim]
+
+The policy receives its whole state rather than one layer's slice: a slice taken or
+written back by `lax.scan` copies it every layer, while a policy that indexes its own
+layer-stacked buffers updates them in place (a dense KV cache at 128K is 16 GiB).
+The query is not pre-scaled; the policy applies `cfg.attn_scale`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.rope import apply_rope
+
+AttentionFn = Callable[..., tuple[jax.Array, Any]]
+
+
+def rms_norm(
+    x,  # [..., dim]
+    weight,  # [dim]
+    eps: float,
+):
+  """RMSNorm in float32 (weight already the effective multiplier), cast back to x.dtype."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _activation(cfg: ModelConfig, x):
+  if cfg.activation == "silu":
+    return jax.nn.silu(x)
+  return jax.nn.gelu(x, approximate=True)
+
+
+def _project(x, w, b=None):
+  # x [B, T, in] @ w [in, out] in the weight dtype with float32 accumulation.
+  y = jnp.einsum("BTI,IO->BTO", x, w, preferred_element_type=jnp.float32)
+  if b is not None:
+    y = y + b.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+def _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attention_fn, state):
+  B, T, _ = x.shape
+  h = rms_norm(x, lp["input_norm"], cfg.norm_eps)
+  q = _project(h, lp["wq"], lp.get("bq")).reshape(B, T, cfg.num_heads, cfg.head_dim)
+  k = _project(h, lp["wk"], lp.get("bk")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+  v = _project(h, lp["wv"], lp.get("bv")).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+  if cfg.qk_norm:  # Gemma 3 normalizes each head before RoPE
+    q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+  q = apply_rope(q, positions, inv_freq, rope_factor)
+  k = apply_rope(k, positions, inv_freq, rope_factor)
+  out, state = attention_fn(layer, q, k, v, positions, state)
+  out = _project(out.astype(x.dtype).reshape(B, T, cfg.num_heads * cfg.head_dim), lp["wo"])
+  if cfg.sandwich_norms:
+    out = rms_norm(out, lp["post_attn_norm"], cfg.norm_eps)
+  return out, state
+
+
+def _mlp_block(cfg, lp, x):
+  h = rms_norm(x, lp["pre_mlp_norm"], cfg.norm_eps)
+  gated = _activation(cfg, _project(h, lp["w_gate"])) * _project(h, lp["w_up"])
+  out = _project(gated, lp["w_down"])
+  if cfg.sandwich_norms:
+    out = rms_norm(out, lp["post_mlp_norm"], cfg.norm_eps)
+  return out
+
+
+def embed(params, cfg: ModelConfig, tokens):  # tokens [B, T] int32 -> [B, T, hidden]
+  x = jnp.take(params["embed"], tokens, axis=0)
+  if cfg.embed_scale != 1.0:
+    # Gemma multiplies by sqrt(hidden) rounded to the weight dtype, as transformers does.
+    x = x * jnp.asarray(cfg.embed_scale, dtype=x.dtype)
+  return x
+
+
+def forward_hidden(
+    params,
+    tokens,  # [batch, seq] int32
+    positions,  # [batch, seq] int32
+    *,
+    cfg: ModelConfig,
+    rope: tuple,  # (inv_freq [L, head_dim // 2], factors [L]) from models.rope.rope_tables
+    attention_fn: AttentionFn,
+    attention_state: Any,
+):
+  """Runs all layers; returns final-normed hidden states [batch, seq, hidden] and the state."""
+  inv_freqs, factors = (jnp.asarray(t) for t in rope)
+  x = embed(params, cfg, tokens)
+
+  def layer_step(carry, xs):
+    x, state = carry
+    lp, layer, inv_freq, factor = xs
+    attn, state = _attention_block(cfg, lp, x, positions, inv_freq, factor, layer, attention_fn, state)
+    x = x + attn
+    x = x + _mlp_block(cfg, lp, x)
+    return (x, state), None
+
+  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+  (x, state), _ = jax.lax.scan(layer_step, (x, attention_state), (params["layers"], layer_ids, inv_freqs, factors))
+  return rms_norm(x, params["final_norm"], cfg.norm_eps), state
+
+
+def logits_from_hidden(params, cfg: ModelConfig, hidden):  # hidden [..., hidden] -> [..., vocab] f32
+  if cfg.tie_embeddings:
+    logits = jnp.einsum("...H,VH->...V", hidden, params["embed"], preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.einsum("...H,HV->...V", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+  if cfg.final_logit_softcap:
+    logits = jnp.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+  return logits
