@@ -49,7 +49,9 @@ def passkey_prompt(*, num_sentences: int = 700, depth: float | None = None, seed
   at = round(depth * num_sentences)
   needle = f"The pass key is {passkey}. Remember it. {passkey} is the pass key."
   sentences.insert(at, needle)
+  # Asking for a fixed answer form matters for a 135M model: with a bare "What is the pass
+  # key?" SmolLM2 often describes the filler instead of quoting the key.
   text = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
           + " ".join(sentences)
-          + "\n\nWhat is the pass key? The pass key is")
+          + "\n\nWhat is the pass key? Reply in the form: The pass key is <number>.")
   return PasskeyPrompt(text=text, passkey=passkey, depth=depth)

@@ -1,0 +1,63 @@
+"""Writes a study's results: JSON stamped with device, JAX version, commit, date and command,
+and a markdown table made from the same rows."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _commit() -> str:
+  try:
+    out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True,
+                         cwd=RESULTS_DIR.parent)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=RESULTS_DIR.parent).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("KVJAX_COMMIT", "unknown")
+
+
+def stamp() -> dict:
+  import jax
+
+  device = jax.devices()[0]
+  return {
+      "device": f"{device.platform}:{getattr(device, 'device_kind', '?')}",
+      "jax": jax.__version__,
+      "commit": _commit(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+  }
+
+
+def markdown_table(rows: list[dict]) -> str:
+  if not rows:
+    return "(no rows)\n"
+  columns = list(dict.fromkeys(k for row in rows for k in row))
+  def fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
+  return "\n".join(lines) + "\n"
+
+
+def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | None = None, notes: str = "") -> dict:
+  """Writes <out_dir>/<name>.json and <name>.md; returns the JSON document."""
+  directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
+  directory.mkdir(parents=True, exist_ok=True)
+  doc = stamp() | {"rows": rows}
+  if notes:
+    doc["notes"] = notes
+  (directory / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+  header = f"# {name}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date", "command"))
+  if notes:
+    header += f"\n{notes}\n"
+  (directory / f"{name}.md").write_text(header + "\n" + markdown_table(rows))
+  return doc

@@ -1,0 +1,35 @@
+"""Attention math on the device for kvjax.
+
+Every attention entry point returns flash residuals `(o, lse)`: o normalized
+over its own set (float32) and lse the natural-log log-sum-exp of the scaled
+scores (float32); an empty set is o = 0, lse = -inf. `merge_partials` is the
+only place partials are combined. Each kernel has a float32 `*_reference`
+twin with the same signature. This package imports nothing from kvjax,
+models or host_index.
+"""
+
+from ops.merge import merge_partials
+from ops.paged_attention import paged_partial_attention
+from ops.paged_attention import paged_partial_attention_reference
+from ops.partial_attention import partial_attention
+from ops.partial_attention import partial_attention_reference
+from ops.prefill_attention import prefill_attention
+from ops.prefill_attention import prefill_attention_reference
+from ops.topk import exact_topk
+from ops.topk import exact_topk_reference
+
+# `merge` is the name used in DESIGN.md's decode-step sketch.
+merge = merge_partials
+
+__all__ = [
+    "exact_topk",
+    "exact_topk_reference",
+    "merge",
+    "merge_partials",
+    "paged_partial_attention",
+    "paged_partial_attention_reference",
+    "partial_attention",
+    "partial_attention_reference",
+    "prefill_attention",
+    "prefill_attention_reference",
+]

@@ -1,0 +1,93 @@
+"""Boundary validation shared by the ops entry points.
+
+Every check runs before any device work and raises a ValueError/TypeError that
+names the offending value. Value checks (lengths, page ids, layer) only run when
+the value is concrete: inside `jit` the arguments are tracers and are skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STORAGE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def is_concrete(x: Any) -> bool:
+  """True if `x` holds a value now (not a tracer inside jit/vmap/scan)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def concrete_value(x: Any) -> np.ndarray | None:
+  """Returns `x` as a NumPy array when concrete, else None."""
+  if x is None or not is_concrete(x):
+    return None
+  return np.asarray(x)
+
+
+def check_float(name: str, x: Any) -> None:
+  dtype = jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
+  if dtype not in STORAGE_DTYPES:
+    raise TypeError(f"{name}.dtype={dtype} must be one of bfloat16, float16, float32")
+
+
+def check_int(name: str, x: Any) -> None:
+  dtype = jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name}.dtype={dtype} must be an integer dtype (int32)")
+
+
+def check_ndim(name: str, x: Any, ndims: tuple[int, ...], layout: str) -> None:
+  if x.ndim not in ndims:
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be {layout}")
+
+
+def check_shape(name: str, x: Any, shape: tuple[int, ...], layout: str) -> None:
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{name}.shape={tuple(x.shape)} must be {tuple(shape)} ({layout})")
+
+
+def check_groups(q_heads: int, kv_heads: int) -> int:
+  """Returns the GQA group size G = q_heads // kv_heads or raises."""
+  if kv_heads <= 0 or q_heads % kv_heads:
+    raise ValueError(f"{q_heads=} must be a positive multiple of {kv_heads=} (GQA groups)")
+  return q_heads // kv_heads
+
+
+def check_range(name: str, x: Any, lo: int, hi: int) -> None:
+  """Checks lo <= x <= hi elementwise when `x` is concrete."""
+  val = concrete_value(x)
+  if val is None or val.size == 0:
+    return
+  bad = (val < lo) | (val > hi)
+  if bad.any():
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{name}{list(idx)}={val[idx]} is outside [{lo}, {hi}]")
+
+
+def check_layer(layer: Any, num_layers: int | None) -> None:
+  """`layer` must be given iff the cache is layer-stacked, and in range."""
+  if num_layers is None:
+    if layer is not None:
+      raise ValueError(f"{layer=} given but the cache is not layer-stacked")
+    return
+  if layer is None:
+    raise ValueError(
+        f"the cache is layer-stacked ({num_layers} layers): pass layer=")
+  check_int("layer", layer)
+  if jnp.ndim(layer) != 0:
+    raise ValueError(f"layer.shape={jnp.shape(layer)} must be a scalar")
+  check_range("layer", layer, 0, num_layers - 1)
+
+
+def check_pow2(name: str, value: int, minimum: int, hint: str = "") -> None:
+  if value < minimum or value & (value - 1):
+    raise ValueError(f"{name}={value} must be a power of two >= {minimum}{hint}")
+
+
+def check_implementation(implementation: str) -> None:
+  if implementation not in ("pallas", "xla"):
+    raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")

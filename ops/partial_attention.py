@@ -1,0 +1,395 @@
+"""Partial attention of one decode query per sequence over a device-resident set.
+
+Layers, as in jax/experimental/pallas/ops/gpu/decode_attention.py:
+  * `_kernel`: one program per (sequence, KV head, split of S); online softmax
+    over key blocks; writes the split's normalized o and its lse (flash residuals).
+  * `_partial_attention_pallas`: builds the grid, calls `pl.pallas_call`, and
+    combines the splits with `merge_stacked` (the same math as `merge_partials`).
+  * `partial_attention`: the public, validated entry point (`implementation=`
+    switches between the Pallas kernel and the XLA path).
+  * `partial_attention_reference`: plain jnp in float32, HIGHEST precision.
+
+The cache is head-major [B, Hkv, S, D], or layer-stacked [L, B, Hkv, S, D] with
+a (possibly traced) `layer`. The kernel receives the whole stacked buffer and
+indexes it with the layer read from a scalar operand, so no per-layer slice is
+ever copied (the `full` baseline carries the stacked cache through lax.scan).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ops import _checks
+from ops.merge import merge_stacked
+
+_NEG_INF = float("-inf")
+# Triton's tl.dot needs every tile dimension >= 16.
+_MIN_TILE = 16
+# Programs to aim for when choosing the number of splits: a few waves of the
+# H200's 132 SMs, so batch 1 with one long set still fills the device.
+_TARGET_PROGRAMS = 512
+
+
+def _pow2_floor(n: int) -> int:
+  return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _pad_groups(g: int) -> int:
+  return max(_MIN_TILE, pl.next_power_of_2(g))
+
+
+def default_config(batch: int, kv_heads: int, seq_len: int, head_dim: int,
+                   *, block_k: int | None = None, num_splits: int | None = None
+                   ) -> tuple[int, int, int]:
+  """Returns (block_k, num_splits, split_len) for a [batch, kv_heads, seq_len, head_dim] cache."""
+  if block_k is None:
+    # Keep a K+V tile pair near 64 KB so two pipeline stages fit in shared memory.
+    block_k = 128 if head_dim <= 128 else 64
+  block_k = max(_MIN_TILE, min(block_k, _pow2_floor(seq_len)))
+  num_blocks = pl.cdiv(seq_len, block_k)
+  if num_splits is None:
+    num_splits = pl.cdiv(_TARGET_PROGRAMS, batch * kv_heads)
+    # Fewer, longer splits when the set is short: each split costs a residual write.
+    num_splits = min(num_splits, pl.cdiv(num_blocks, 4))
+  num_splits = max(1, min(num_splits, num_blocks))
+  split_len = pl.cdiv(num_blocks, num_splits) * block_k
+  num_splits = pl.cdiv(seq_len, split_len)
+  return block_k, num_splits, split_len
+
+
+def _kernel(
+    layer_ref,  # [1] int32: layer of the stacked cache (0 when not stacked)
+    starts_ref,  # [] int32: first valid key of this sequence
+    lengths_ref,  # [] int32: one past the last valid key of this sequence
+    q_ref,  # [Gp, D]: this KV head's query group, padded to Gp rows
+    k_ref,  # [L, B, Hkv, S, D]: the whole cache, indexed in place
+    v_ref,  # [L, B, Hkv, S, D]
+    o_ref,  # [Gp, D] float32: this split's normalized output
+    lse_ref,  # [Gp] float32: this split's log-sum-exp
+    *,
+    scale: float,
+    block_k: int,
+    split_len: int,
+    seq_len: int,
+):
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
+  start = starts_ref[()]
+  length = lengths_ref[()]
+  lo = jnp.maximum(start, split * split_len)
+  hi = jnp.minimum(jnp.minimum(length, (split + 1) * split_len), seq_len)
+  first = lo // block_k
+  # Only blocks that hold at least one valid key are visited, so m stays finite.
+  last = jnp.where(hi > lo, pl.cdiv(hi, block_k), first)
+
+  gp, head_dim = q_ref.shape
+  q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
+  ragged_tail = seq_len % block_k != 0
+
+  def body(i, carry, *, masked: bool):
+    acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp]
+    nominal = i * block_k
+    if masked and ragged_tail:
+      # The last block is shifted back inside the buffer (no out-of-bounds
+      # reads, no masked loads); keys before `nominal` were counted already.
+      blk = jnp.minimum(nominal, seq_len - block_k)
+    else:
+      blk = pl.multiple_of(nominal, block_k)
+    k = k_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
+    v = v_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32) * scale  # [Gp, bk]
+    if masked:
+      pos = blk + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      valid = (pos >= jnp.maximum(start, nominal)) & (pos < length)  # [bk]
+      s = jnp.where(valid[None, :], s, _NEG_INF)
+      # Zero invalid rows of V so garbage (even NaN) outside the set cannot leak.
+      v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, None])  # [Gp, bk]
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return alpha[:, None] * acc + pv, m_next, l_next
+
+  masked_body = functools.partial(body, masked=True)
+  acc = jnp.zeros((gp, head_dim), jnp.float32)
+  m = jnp.full((gp,), _NEG_INF, jnp.float32)
+  l = jnp.zeros((gp,), jnp.float32)
+  carry = (acc, m, l)
+  # Only the first and last visited blocks can be partial: they take the masked
+  # body; the interior loop runs mask-free (the hot path at long lengths).
+  carry = lax.fori_loop(first, jnp.minimum(first + 1, last), masked_body, carry)
+  interior_end = jnp.maximum(last - 1, first + 1)
+  if ragged_tail:
+    # A block that reaches past the buffer end must be shifted: keep it masked.
+    interior_end = jnp.minimum(interior_end, seq_len // block_k)
+  carry = lax.fori_loop(first + 1, interior_end, functools.partial(body, masked=False), carry)
+  carry = lax.fori_loop(jnp.maximum(interior_end, first + 1), last, masked_body, carry)
+  acc, m, l = carry
+  nonempty = l > 0
+  o_ref[...] = jnp.where(nonempty[:, None], acc / jnp.where(nonempty, l, 1.0)[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_k", "num_splits", "interpret", "num_warps", "num_stages"))
+def _partial_attention_pallas(
+    q,  # [B, Hq, D]
+    k,  # [L, B, Hkv, S, D]
+    v,  # [L, B, Hkv, S, D]
+    starts,  # [B] int32
+    lengths,  # [B] int32
+    layer,  # [1] int32
+    *,
+    scale: float,
+    block_k: int | None,
+    num_splits: int | None,
+    interpret: bool,
+    num_warps: int | None,
+    num_stages: int | None,
+):
+  batch, q_heads, head_dim = q.shape
+  _, _, kv_heads, seq_len, _ = k.shape
+  if seq_len < _MIN_TILE:
+    # Tiny buffers only (a copy of < 16 rows): pad so every tile is >= 16.
+    pad = [(0, 0)] * 3 + [(0, _MIN_TILE - seq_len), (0, 0)]
+    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    seq_len = _MIN_TILE
+  groups = q_heads // kv_heads
+  gp = _pad_groups(groups)
+  block_k, num_splits, split_len = default_config(
+      batch, kv_heads, seq_len, head_dim, block_k=block_k, num_splits=num_splits)
+  qg = q.reshape(batch, kv_heads, groups, head_dim)
+  if gp != groups:
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
+
+  kernel = functools.partial(
+      _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len)
+  compiler_params = None
+  if not interpret and jax.default_backend() == "gpu":
+    from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+    compiler_params = plgpu.CompilerParams(
+        num_warps=num_warps or 4, num_stages=num_stages or 2)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, kv_heads, num_splits),
+      in_specs=[
+          pl.BlockSpec((1,), lambda b, h, s: (0,)),
+          pl.BlockSpec((None,), lambda b, h, s: (b,)),
+          pl.BlockSpec((None,), lambda b, h, s: (b,)),
+          pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
+          pl.no_block_spec,
+          pl.no_block_spec,
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, gp, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+          pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, gp, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, gp), jnp.float32),
+      ],
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name=f"kvjax_partial_attention_bk{block_k}_ns{num_splits}",
+  )(layer, starts, lengths, qg, k, v)
+  if num_splits == 1:
+    o, lse = o[:, :, 0], lse[:, :, 0]  # already normalized: skip the merge kernels
+  else:
+    # Combine the splits' residuals: [B, Hkv, ns, Gp, D] -> [B, Hkv, Gp, D].
+    o, lse = merge_stacked(o, lse, axis=2)
+  o = o[:, :, :groups].reshape(batch, q_heads, head_dim)
+  lse = lse[:, :, :groups].reshape(batch, q_heads)
+  return o, lse
+
+
+def _select_layer(x, layer):
+  """x[layer] for a stacked cache; x unchanged otherwise."""
+  if layer is None:
+    return x
+  return lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _partial_attention_xla(
+    q,  # [B, Hq, D]
+    k,  # [B, Hkv, S, D] or [L, B, Hkv, S, D]
+    v,  # same as k
+    starts,  # [B] int32
+    lengths,  # [B] int32
+    layer,  # [] int32 or None
+    *,
+    scale: float,
+):
+  k, v = _select_layer(k, layer), _select_layer(v, layer)
+  batch, q_heads, head_dim = q.shape
+  _, kv_heads, seq_len, _ = k.shape
+  groups = q_heads // kv_heads
+  precision = lax.Precision.HIGHEST if k.dtype == jnp.float32 else None
+  qg = q.reshape(batch, kv_heads, groups, head_dim).astype(k.dtype)
+  # BKGD,BKSD->BKGS in the storage dtype, f32 accumulation (what the kernel does).
+  s = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32,
+                 precision=precision) * scale
+  pos = jnp.arange(seq_len, dtype=jnp.int32)
+  valid = (pos >= starts[:, None]) & (pos < lengths[:, None])  # [B, S]
+  s = jnp.where(valid[:, None, None, :], s, _NEG_INF)
+  m = jnp.max(s, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m_safe[..., None])
+  l = jnp.sum(p, axis=-1)
+  o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v,
+                 preferred_element_type=jnp.float32, precision=precision)
+  o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+  return o.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
+
+
+def _validate(q, k, v, lengths, starts, layer, implementation):
+  """Boundary checks; returns (num_layers or None, seq_len)."""
+  _checks.check_implementation(implementation)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _checks.check_float(name, x)
+  _checks.check_ndim("q", q, (3,), "[batch, q_heads, head_dim]")
+  _checks.check_ndim("k", k, (4, 5), "[batch, kv_heads, seq, head_dim] or [layers, batch, kv_heads, seq, head_dim]")
+  if v.shape != k.shape:
+    raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
+  if v.dtype != k.dtype:
+    raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
+  num_layers = k.shape[0] if k.ndim == 5 else None
+  batch, kv_heads, seq_len, head_dim = k.shape[-4:]
+  if q.shape[0] != batch:
+    raise ValueError(f"q batch {q.shape[0]} (q.shape={tuple(q.shape)}) must equal k batch {batch}")
+  if q.shape[-1] != head_dim:
+    raise ValueError(f"q head_dim {q.shape[-1]} must equal k head_dim {head_dim}")
+  _checks.check_groups(q.shape[1], kv_heads)
+  if implementation == "pallas":
+    _checks.check_pow2("head_dim", head_dim, _MIN_TILE, " for implementation='pallas' (use 'xla')")
+  _checks.check_layer(layer, num_layers)
+  for name, x in (("lengths", lengths), ("starts", starts)):
+    if x is None:
+      continue
+    _checks.check_int(name, x)
+    _checks.check_shape(name, x, (batch,), "[batch]")
+    _checks.check_range(name, x, 0, seq_len)
+  return num_layers, seq_len
+
+
+def _prepare(q, k, v, lengths, starts, layer, implementation, scale):
+  lengths = jnp.asarray(lengths)
+  starts = None if starts is None else jnp.asarray(starts)
+  _validate(q, k, v, lengths, starts, layer, implementation)
+  batch = q.shape[0]
+  lengths = lengths.astype(jnp.int32)
+  starts = (jnp.zeros((batch,), jnp.int32) if starts is None
+            else starts.astype(jnp.int32))
+  scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+  return lengths, starts, scale
+
+
+def partial_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k: jax.Array,  # [B, Hkv, S, D] or [L, B, Hkv, S, D]
+    v: jax.Array,  # same as k
+    lengths: jax.Array,  # [B] int32
+    *,
+    starts: jax.Array | None = None,  # [B] int32
+    layer: jax.Array | int | None = None,  # [] int32
+    scale: float | None = None,
+    implementation: str = "pallas",
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Attention of each sequence's query heads over its valid keys, as (o, lse).
+
+  Keys at positions [starts[b], lengths[b]) of sequence b are attended; query
+  head h uses KV head h // G with G = Hq // Hkv. The Pallas kernel loads each
+  KV block once for its whole query group and splits S across programs
+  (flash-decoding), then merges the splits exactly.
+
+  Args:
+    q: [batch, q_heads, head_dim] queries (bf16/f16/f32).
+    k: [batch, kv_heads, seq, head_dim] keys, or [layers, batch, kv_heads, seq,
+      head_dim] with `layer`.
+    v: values, same shape and dtype as k.
+    lengths: [batch] int32, one past the last valid key (<= seq).
+    starts: [batch] int32 first valid key (default 0), e.g. a sliding window.
+    layer: int32 scalar (may be traced) selecting the layer of a stacked cache;
+      the Pallas path indexes the stacked buffer in place (no slice copy).
+    scale: score scale; default head_dim ** -0.5.
+    implementation: "pallas" (the kernel) or "xla" (fused jnp).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
+    block_k: keys per kernel iteration (power of two >= 16).
+    num_splits: splits of seq per (sequence, KV head); default fills the GPU.
+    num_warps: Triton warps per program (GPU only).
+    num_stages: Triton software-pipelining stages (GPU only).
+
+  Returns:
+    o: [batch, q_heads, head_dim] float32, normalized over the set.
+    lse: [batch, q_heads] float32 log-sum-exp of the scaled scores.
+    An empty set gives o = 0 and lse = -inf.
+  """
+  lengths, starts, scale = _prepare(q, k, v, lengths, starts, layer, implementation, scale)
+  if block_k is not None:
+    _checks.check_pow2("block_k", block_k, _MIN_TILE)
+  if num_splits is not None and num_splits < 1:
+    raise ValueError(f"{num_splits=} must be >= 1")
+  if implementation == "xla":
+    layer_arr = None if layer is None else jnp.asarray(layer, jnp.int32)
+    return _partial_attention_xla(q, k, v, starts, lengths, layer_arr, scale=scale)
+  if k.ndim == 4:
+    k, v = k[None], v[None]  # a free reshape: L = 1
+    layer = 0
+  layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  return _partial_attention_pallas(
+      q, k, v, starts, lengths, layer_arr, scale=scale, block_k=block_k,
+      num_splits=num_splits, interpret=interpret, num_warps=num_warps,
+      num_stages=num_stages)
+
+
+def partial_attention_reference(
+    q: jax.Array,  # [B, Hq, D]
+    k: jax.Array,  # [B, Hkv, S, D] or [L, B, Hkv, S, D]
+    v: jax.Array,  # same as k
+    lengths: jax.Array,  # [B] int32
+    *,
+    starts: jax.Array | None = None,  # [B] int32
+    layer: jax.Array | int | None = None,  # [] int32
+    scale: float | None = None,
+    implementation: str = "xla",
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    **unused,
+) -> tuple[jax.Array, jax.Array]:
+  """Dense float32 (HIGHEST precision) twin of `partial_attention`; same contract.
+
+  The kernel options (implementation, interpret, block_k, num_splits, ...)
+  are accepted and ignored so both functions can be called with one kwargs dict.
+  """
+  del implementation, interpret, block_k, num_splits, unused
+  lengths, starts, scale = _prepare(q, k, v, lengths, starts, layer, "xla", scale)
+  k, v = _select_layer(k, layer), _select_layer(v, layer)
+  batch, q_heads, head_dim = q.shape
+  _, kv_heads, seq_len, _ = k.shape
+  groups = q_heads // kv_heads
+  hp = lax.Precision.HIGHEST
+  qg = q.astype(jnp.float32).reshape(batch, kv_heads, groups, head_dim)
+  s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=hp) * scale
+  pos = jnp.arange(seq_len)
+  valid = (pos >= starts[:, None]) & (pos < lengths[:, None])  # [B, S]
+  s = jnp.where(valid[:, None, None, :], s, _NEG_INF)
+  lse = jax.nn.logsumexp(s, axis=-1)  # -inf for an empty set
+  p = jnp.where(valid[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  v32 = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
+  o = jnp.einsum("bkgs,bksd->bkgd", p, v32, precision=hp)
+  return o.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)

@@ -1,0 +1,173 @@
+"""Exact top-k of queries over keys by inner product, chunked over both.
+
+The ground truth for the attention-aware index build (each prefill query's
+exact top-N_q keys) and for recall studies. Queries are processed in blocks
+(`lax.map`); for each block the keys are scanned in chunks and a running top-k
+is merged chunk by chunk, so memory is O(Hq * block_q * (block_n + k)) and a
+128K x 128K head fits on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ops import _checks
+
+_NEG_INF = float("-inf")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_q", "block_n"))
+def _exact_topk(
+    queries,  # [Hq, M, D]
+    keys,  # [Hkv, N, D]
+    key_lengths,  # [Hkv] int32
+    *,
+    k: int,
+    block_q: int,
+    block_n: int,
+):
+  q_heads, num_q, head_dim = queries.shape
+  kv_heads, num_keys, _ = keys.shape
+  groups = q_heads // kv_heads
+  bq, bn = min(block_q, num_q), min(block_n, num_keys)
+  kk = min(k, bn)  # per-chunk candidates
+  nq = -(-num_q // bq)
+  if nq * bq != num_q:
+    queries = jnp.pad(queries, ((0, 0), (0, nq * bq - num_q), (0, 0)))
+  precision = lax.Precision.HIGHEST
+  # [Hq, nq*bq, D] -> [nq, Hkv, G, bq, D]
+  qb = queries.reshape(kv_heads, groups, nq, bq, head_dim).transpose(2, 0, 1, 3, 4)
+  n_chunks = -(-num_keys // bn)
+  lengths = key_lengths[:, None, None, None]  # [Hkv, 1, 1, 1]
+
+  def q_block(qblk):  # [Hkv, G, bq, D]
+    def body(j, carry):
+      best_s, best_i = carry  # [Hkv, G, bq, k]
+      nominal = j * bn
+      start = jnp.minimum(nominal, num_keys - bn)  # last chunk shifted back; overlap masked
+      kblk = lax.dynamic_slice_in_dim(keys, start, bn, axis=1)  # [Hkv, bn, D]
+      # KGQD,KND->KGQN
+      s = jnp.einsum("kgqd,knd->kgqn", qblk, kblk, preferred_element_type=jnp.float32,
+                     precision=precision)
+      ids = start + jnp.arange(bn, dtype=jnp.int32)
+      s = jnp.where((ids >= nominal) & (ids < lengths), s, _NEG_INF)
+      cs, ci = lax.top_k(s, kk)
+      ci = start + ci.astype(jnp.int32)
+      # Running best first: on ties top_k keeps the lower index, like lax.top_k.
+      ms, mi = lax.top_k(jnp.concatenate([best_s, cs], axis=-1), k)
+      mids = jnp.take_along_axis(jnp.concatenate([best_i, ci], axis=-1), mi, axis=-1)
+      return ms, mids
+
+    shape = qblk.shape[:-1] + (k,)
+    init = (jnp.full(shape, _NEG_INF, jnp.float32), jnp.full(shape, -1, jnp.int32))
+    best_s, best_i = lax.fori_loop(0, n_chunks, body, init)
+    return best_s, jnp.where(jnp.isneginf(best_s), -1, best_i)
+
+  scores, ids = lax.map(q_block, qb)  # [nq, Hkv, G, bq, k]
+  scores = scores.transpose(1, 2, 0, 3, 4).reshape(q_heads, nq * bq, k)[:, :num_q]
+  ids = ids.transpose(1, 2, 0, 3, 4).reshape(q_heads, nq * bq, k)[:, :num_q]
+  return scores, ids
+
+
+def _prepare(queries, keys, k, key_lengths):
+  for name, x in (("queries", queries), ("keys", keys)):
+    _checks.check_float(name, x)
+  _checks.check_ndim("queries", queries, (3,), "[q_heads, num_queries, head_dim]")
+  _checks.check_ndim("keys", keys, (3,), "[kv_heads, num_keys, head_dim]")
+  if queries.shape[-1] != keys.shape[-1]:
+    raise ValueError(
+        f"queries head_dim {queries.shape[-1]} must equal keys head_dim {keys.shape[-1]}")
+  _checks.check_groups(queries.shape[0], keys.shape[0])
+  if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+    raise ValueError(f"{k=} must be a python int >= 0")
+  kv_heads, num_keys, _ = keys.shape
+  if key_lengths is None:
+    key_lengths = jnp.full((kv_heads,), num_keys, jnp.int32)
+  else:
+    key_lengths = jnp.asarray(key_lengths)
+    _checks.check_int("key_lengths", key_lengths)
+    if key_lengths.ndim == 0:
+      key_lengths = jnp.broadcast_to(key_lengths, (kv_heads,))
+    _checks.check_shape("key_lengths", key_lengths, (kv_heads,), "[kv_heads] or scalar")
+    _checks.check_range("key_lengths", key_lengths, 0, num_keys)
+  return key_lengths.astype(jnp.int32)
+
+
+def _pad_k(scores, ids, k):
+  """Pads a [..., n] result to [..., k] with score -inf and id -1."""
+  extra = k - scores.shape[-1]
+  if extra <= 0:
+    return scores, ids
+  pad = [(0, 0)] * (scores.ndim - 1) + [(0, extra)]
+  return (jnp.pad(scores, pad, constant_values=_NEG_INF),
+          jnp.pad(ids, pad, constant_values=-1))
+
+
+def exact_topk(
+    queries: jax.Array,  # [Hq, M, D]
+    keys: jax.Array,  # [Hkv, N, D]
+    k: int,
+    *,
+    key_lengths: jax.Array | int | None = None,  # [Hkv] int32 or scalar
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Exact top-k keys by inner product for every query (GQA-aware).
+
+  Args:
+    queries: [q_heads, num_queries, head_dim]; query head h searches KV head
+      h // (q_heads // kv_heads).
+    keys: [kv_heads, num_keys, head_dim].
+    k: number of results (python int >= 0).
+    key_lengths: [kv_heads] (or scalar) int32: only keys [0, key_lengths) count.
+    block_q: queries per block (default 1024).
+    block_n: keys per chunk (default 8192).
+
+  Returns:
+    scores: [q_heads, num_queries, k] float32 inner products q·key, descending.
+    ids: [q_heads, num_queries, k] int32 key indices; -1 (score -inf) where
+      fewer than k keys exist.
+  """
+  key_lengths = _prepare(queries, keys, k, key_lengths)
+  for name, val in (("block_q", block_q), ("block_n", block_n)):
+    if val is not None and val < 1:
+      raise ValueError(f"{name}={val} must be >= 1")
+  q_heads, num_q, _ = queries.shape
+  num_keys = keys.shape[1]
+  if k == 0 or num_q == 0 or num_keys == 0:
+    shape = (q_heads, num_q, k)
+    return jnp.full(shape, _NEG_INF, jnp.float32), jnp.full(shape, -1, jnp.int32)
+  keff = min(k, num_keys)
+  queries = queries.astype(jnp.promote_types(queries.dtype, keys.dtype))
+  keys = keys.astype(queries.dtype)
+  scores, ids = _exact_topk(queries, keys, key_lengths, k=keff,
+                            block_q=block_q or 1024, block_n=block_n or 8192)
+  return _pad_k(scores, ids, k)
+
+
+def exact_topk_reference(
+    queries: jax.Array,  # [Hq, M, D]
+    keys: jax.Array,  # [Hkv, N, D]
+    k: int,
+    *,
+    key_lengths: jax.Array | int | None = None,
+    **unused,
+) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k` of the full float32 (HIGHEST) product; same contract."""
+  del unused
+  key_lengths = _prepare(queries, keys, k, key_lengths)
+  q_heads, num_q, head_dim = queries.shape
+  kv_heads, num_keys, _ = keys.shape
+  groups = q_heads // kv_heads
+  qg = queries.astype(jnp.float32).reshape(kv_heads, groups, num_q, head_dim)
+  s = jnp.einsum("kgqd,knd->kgqn", qg, keys.astype(jnp.float32),
+                 precision=lax.Precision.HIGHEST).reshape(q_heads, num_q, num_keys)
+  valid = jnp.arange(num_keys)[None, :] < jnp.repeat(key_lengths, groups)[:, None]  # [Hq, N]
+  s = jnp.where(valid[:, None, :], s, _NEG_INF)
+  scores, ids = lax.top_k(s, min(k, num_keys))
+  ids = jnp.where(jnp.isneginf(scores), -1, ids.astype(jnp.int32))
+  return _pad_k(scores, ids, k)

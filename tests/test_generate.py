@@ -1,0 +1,116 @@
+"""generate(): chunked prefill, batching with ragged lengths, sampling, and input errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.sampling import SamplingConfig, sample
+from models.config import ModelConfig, RopeScaling, param_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+  cfg: ModelConfig
+  params: dict
+  tokenizer: None = None
+
+
+def tiny_model(family="llama", seed=0, **overrides) -> TinyModel:
+  extra = dict(qkv_bias=True) if family == "qwen2" else {}
+  if family == "gemma3":
+    extra = dict(qk_norm=True, sandwich_norms=True, layer_windows=(6, 0), rope_local_theta=100.0,
+                 activation="gelu_tanh", embed_scale=8.0)
+  cfg = ModelConfig(name=f"tiny-{family}", family=family, vocab_size=97, hidden_size=64, num_layers=2,
+                    num_heads=6, num_kv_heads=2, head_dim=16, intermediate_size=96, max_position=256,
+                    rope_theta=10000.0, **(extra | overrides))
+  shapes = param_shapes(cfg)
+  paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(jax.random.key(seed), len(paths))
+  leaves = []
+  for key, (path, shape) in zip(keys, paths):
+    is_norm = "norm" in jax.tree_util.keystr(path)
+    leaves.append(0.15 * jax.random.normal(key, shape) + (1.0 if is_norm else 0.0))
+  params = jax.tree.unflatten(treedef, leaves)
+  return TinyModel(cfg, params)
+
+
+def random_prompt(length, seed=0, vocab=97):
+  return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=length)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_chunked_prefill_equals_one_shot(family):
+  model = tiny_model(family)
+  prompt = random_prompt(45)
+  one_shot = kvjax.generate(model, prompt, max_new_tokens=6, prefill_chunk=64, return_logits=True)
+  for chunk in (7, 16):  # neither divides 45
+    chunked = kvjax.generate(model, prompt, max_new_tokens=6, prefill_chunk=chunk, return_logits=True)
+    np.testing.assert_allclose(chunked.logits, one_shot.logits, rtol=1e-4, atol=1e-4)
+    assert chunked.tokens == one_shot.tokens
+
+
+def test_ragged_batch_equals_separate_runs():
+  model = tiny_model("llama")
+  prompts = [random_prompt(30, seed=1), random_prompt(13, seed=2)]
+  batched = kvjax.generate(model, prompts, max_new_tokens=8, prefill_chunk=16, return_logits=True)
+  for b, prompt in enumerate(prompts):
+    alone = kvjax.generate(model, prompt, max_new_tokens=8, prefill_chunk=16, return_logits=True)
+    np.testing.assert_allclose(batched.logits[:, b], alone.logits[:, 0], rtol=1e-4, atol=1e-4)
+    assert batched.tokens[b] == alone.tokens[0]
+  assert batched.prompt_lengths == [30, 13]
+
+
+def test_stop_tokens_end_a_sequence():
+  model = tiny_model("llama")
+  free = kvjax.generate(model, random_prompt(20), max_new_tokens=10)
+  stop_at = free.tokens[0][3]
+  stopped = kvjax.generate(model, random_prompt(20), max_new_tokens=10, stop_tokens=[stop_at])
+  assert stopped.tokens[0] == free.tokens[0][: free.tokens[0].index(stop_at)]
+
+
+def test_sampling_is_reproducible_from_seed():
+  model = tiny_model("llama")
+  runs = [kvjax.generate(model, random_prompt(20), max_new_tokens=12, temperature=1.5, seed=s).tokens
+          for s in (3, 3, 4)]
+  assert runs[0] == runs[1]
+  assert runs[0] != runs[2]
+
+
+def test_top_p_keeps_only_the_nucleus():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+  drawn = {int(sample(logits, jax.random.key(i), SamplingConfig(temperature=1.0, top_p=0.7))[0])
+           for i in range(200)}
+  assert drawn == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 and 0.05 are cut
+  greedy = sample(logits, jax.random.key(0), SamplingConfig())
+  assert int(greedy[0]) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[]), "empty"),
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[5, 500]), "outside"),
+    (dict(prompts=[1] * 250, max_new_tokens=10), "exceeds the context"),
+    (dict(prompts=[1, 2], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompts=[1, 2], policy="nonsense"), "unknown policy"),
+    (dict(prompts=[1, 2], policy_options={"topk": 3}), "does not take"),
+    (dict(prompts=[1, 2], temperature=-1.0), "temperature"),
+    (dict(prompts=[1, 2], top_p=0.0), "top_p"),
+    (dict(prompts="text"), "no tokenizer"),
+])
+def test_bad_input_is_refused_before_work(kwargs, message):
+  model = tiny_model("llama")
+  prompts = kwargs.pop("prompts")
+  with pytest.raises(ValueError, match=message):
+    kvjax.generate(model, prompts, **kwargs)
+
+
+def test_rope_scaling_extends_the_context():
+  model = tiny_model("llama")
+  scaled = dataclasses.replace(model, cfg=model.cfg.with_rope_scaling(
+      RopeScaling(kind="linear", factor=2.0, original_max_position=256)))
+  result = kvjax.generate(scaled, random_prompt(300), max_new_tokens=3, prefill_chunk=128)
+  assert len(result.tokens[0]) == 3

@@ -1,0 +1,62 @@
+"""ops.exact_topk (chunked over queries and keys) == jax.lax.top_k of the full product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+
+
+@pytest.mark.parametrize("hq, hkv, m, n, d, k, block_q, block_n, dtype", [
+    (8, 2, 50, 1000, 64, 17, 16, 128, jnp.float32),
+    (3, 1, 33, 257, 128, 100, 8, 64, jnp.float32),
+    (4, 4, 10, 300, 256, 5, 16, 100, jnp.bfloat16),
+    (2, 1, 7, 12, 64, 20, 4, 5, jnp.float32),  # k > N: padded with -1 / -inf
+])
+def test_matches_lax_top_k(hq, hkv, m, n, d, k, block_q, block_n, dtype):
+  rng = np.random.default_rng(hq * 1000 + n)
+  queries = jnp.asarray(rng.standard_normal((hq, m, d)), dtype)
+  keys = jnp.asarray(rng.standard_normal((hkv, n, d)), dtype)
+  scores, ids = ops.exact_topk(queries, keys, k, block_q=block_q, block_n=block_n)
+  ref_s, ref_i = ops.exact_topk_reference(queries, keys, k)
+  assert scores.shape == (hq, m, k) and ids.shape == (hq, m, k) and ids.dtype == jnp.int32
+  # Independent check of the reference: lax.top_k over the full f32 product.
+  g = hq // hkv
+  full = jnp.einsum("hmd,hnd->hmn", queries.astype(jnp.float32),
+                    jnp.repeat(keys.astype(jnp.float32), g, axis=0),
+                    precision=jax.lax.Precision.HIGHEST)
+  top_s, top_i = jax.lax.top_k(full, min(k, n))
+  np.testing.assert_array_equal(np.asarray(ref_i)[..., :min(k, n)], np.asarray(top_i))
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_i))
+  np.testing.assert_allclose(scores, ref_s, atol=1e-4, rtol=1e-5)
+  if k > n:
+    assert np.all(np.asarray(ids)[..., n:] == -1)
+    assert np.all(np.isneginf(np.asarray(scores)[..., n:]))
+  assert np.all(np.diff(np.asarray(scores)[..., :min(k, n)], axis=-1) <= 0)
+
+
+def test_key_lengths_and_empty():
+  rng = np.random.default_rng(0)
+  queries = jnp.asarray(rng.standard_normal((4, 9, 64)), jnp.float32)
+  keys = jnp.asarray(rng.standard_normal((2, 40, 64)), jnp.float32)
+  lens = jnp.array([30, 3], jnp.int32)
+  s, i = ops.exact_topk(queries, keys, 6, key_lengths=lens, block_n=16)
+  rs, ri = ops.exact_topk_reference(queries, keys, 6, key_lengths=lens)
+  np.testing.assert_array_equal(np.asarray(i), np.asarray(ri))
+  assert np.all(np.asarray(i)[:2] < 30) and np.all(np.asarray(i)[2:, :, 3:] == -1)
+  s, i = ops.exact_topk(queries, keys, 0)
+  assert s.shape == (4, 9, 0) and i.shape == (4, 9, 0)
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(k=-1), ValueError, "k=-1"),
+    (dict(hq=3), ValueError, "q_heads=3"),
+    (dict(d=32), ValueError, "head_dim 32"),
+    (dict(kdtype=jnp.int8), TypeError, "keys.dtype=int8"),
+])
+def test_bad_input(bad, err, match):
+  queries = jnp.ones((bad.get("hq", 4), 5, bad.get("d", 64)), jnp.float32)
+  keys = jnp.ones((2, 20, 64), bad.get("kdtype", jnp.float32))
+  with pytest.raises(err, match=match):
+    ops.exact_topk(queries, keys, bad.get("k", 3))

@@ -1,0 +1,43 @@
+"""SmolLM2-135M-Instruct with its real weights, end to end on the CPU."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import kvjax
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  return kvjax.load_model("smollm2", dtype="float32")
+
+
+def test_capital_of_france(smollm2):
+  result = kvjax.generate(smollm2, "What is the capital of France?", max_new_tokens=24)
+  assert "Paris" in result.texts[0]
+
+
+def test_decode_cli_default_run_finds_the_pass_key(tmp_path):
+  """`python experiments/decode.py` with no flags: ~6K tokens, pass key at a random depth."""
+  report = tmp_path / "report.json"
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, str(REPO / "experiments" / "decode.py"), f"--json_out={report}"],
+                        capture_output=True, text=True, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads(report.read_text())
+  assert data["prompt_tokens"] > 5000
+  assert data["passkey_found"], data["answer"]
+
+
+def test_decode_cli_refuses_inapplicable_flag():
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, str(REPO / "experiments" / "decode.py"), "--index=roar"],
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode != 0
+  assert "--index does not apply to --policy=full" in proc.stderr
