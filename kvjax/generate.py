@@ -161,8 +161,23 @@ def generate(
   tokens = np.zeros((batch, padded_len), np.int32)
   for b, ids in enumerate(encoded):
     tokens[b, : len(ids)] = ids
-  last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
   state = attention.init_state(cfg, batch, capacity, dtype)
+  release = attention.release_fn(state)
+  try:
+    return _run(model, attention, sampling, state, tokens, lengths, capacity, rope, stop, max_new_tokens=max_new_tokens,
+                seed=seed, prefill_chunk=prefill_chunk, return_logits=return_logits,
+                on_prefill_progress=on_prefill_progress)
+  finally:
+    release()
+
+
+def _run(model, attention, sampling, state, tokens, lengths, capacity, rope, stop, *, max_new_tokens, seed,
+         prefill_chunk, return_logits, on_prefill_progress):
+  cfg = model.cfg
+  batch, padded_len = tokens.shape
+  dtype = jnp.dtype(cfg.dtype)
+  last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
+  state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
   last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
 
   start = time.perf_counter()
@@ -174,6 +189,7 @@ def generate(
     if on_prefill_progress is not None:
       jax.block_until_ready(last_hidden)
       on_prefill_progress(min(begin + prefill_chunk, max(lengths)), max(lengths))
+  state = attention.finish_prefill(cfg, state)
   key = jax.random.key(seed)
   key, sub = jax.random.split(key)
   next_tokens, logits = engine.first_token(model.params, last_hidden, sub, cfg=cfg, sampling=sampling)
@@ -200,6 +216,7 @@ def generate(
         model.params, rope, jnp.asarray(next_tokens), jnp.asarray(positions), state, sub,
         cfg=cfg, policy=attention, sampling=sampling)
     next_tokens = np.asarray(out)  # waits for the step
+    attention.check(state)
     step_seconds.append(time.perf_counter() - t0)
     if return_logits:
       step_logits.append(np.asarray(logits))

@@ -12,6 +12,7 @@ so a second start skips parsing and dequantization.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import math
@@ -126,32 +127,41 @@ KNOWN_NAMES = ("smollm2", "SmolLM2-135M-Instruct", "gemma3-270m", "qwen2.5-0.5b"
 def random_params(cfg: ModelConfig, seed: int = 0, *, std: float = 0.02):
   """Random parameters for `cfg`, drawn on the default device in `cfg.dtype`.
 
-  Projections, biases and embeddings are normal(0, std); norm weights are 1. Each leaf is
-  made by its own jitted call, so nothing passes through host memory (Llama-3-8B shapes in
-  bfloat16 are 16 GB).
+  Projections, biases and embeddings are normal(0, std); norm weights are 1. One jitted
+  program makes the whole tree on the device, so nothing passes through host memory
+  (Llama-3-8B shapes in bfloat16 are 16 GB).
   """
-  dtype = jnp.dtype(cfg.dtype)
-  shapes = param_shapes(cfg)
+  return _random_tree(param_shapes(cfg), jnp.dtype(cfg.dtype), float(std), jax.random.key(seed))
+
+
+def _freeze(shapes):
+  if isinstance(shapes, dict):
+    return tuple(sorted((k, _freeze(v)) for k, v in shapes.items()))
+  return tuple(shapes)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _random_tree_jit(frozen, dtype, std, key):
+  shapes = _thaw(frozen)
   flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-  keys = jax.random.split(jax.random.key(seed), len(flat))
+  keys = jax.random.split(key, len(flat))
   leaves = []
   for (path, shape), k in zip(flat, keys):
-    leaf_name = jax.tree_util.keystr(path[-1:])
-    if "norm" in leaf_name:
-      leaves.append(_ones(tuple(shape), dtype))
+    if "norm" in jax.tree_util.keystr(path[-1:]):
+      leaves.append(jnp.ones(shape, dtype))
     else:
-      leaves.append(_normal(k, tuple(shape), dtype, std))
+      leaves.append(jax.random.normal(k, shape, dtype) * jnp.asarray(std, dtype))
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-@jax.jit(static_argnums=(1, 2, 3))
-def _normal(key, shape, dtype, std):
-  return (jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype)).astype(dtype)
+def _thaw(frozen):
+  if frozen and isinstance(frozen[0], tuple) and len(frozen[0]) == 2 and isinstance(frozen[0][0], str):
+    return {k: _thaw(v) for k, v in frozen}
+  return tuple(frozen)
 
 
-@jax.jit(static_argnums=(0, 1))
-def _ones(shape, dtype):
-  return jnp.ones(shape, dtype)
+def _random_tree(shapes, dtype, std, key):
+  return _random_tree_jit(_freeze(shapes), dtype, std, key)
 
 
 # ------------------------------------------------------------------ locating packaged GGUFs

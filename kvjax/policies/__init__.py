@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from kvjax.policies.base import AttentionPolicy
 from kvjax.policies.full import DenseKVCache, FullAttention
+from kvjax.policies.retrieval import RetrievalAttention
 
-_POLICIES = {"full": FullAttention}
+_POLICIES = {"full": FullAttention, "retrieval": RetrievalAttention}
 
 
 def policy_names() -> tuple[str, ...]:
@@ -28,4 +29,4 @@ def make_policy(name: str | AttentionPolicy, **options) -> AttentionPolicy:
   return cls(**options)
 
 
-__all__ = ["AttentionPolicy", "DenseKVCache", "FullAttention", "make_policy", "policy_names"]
+__all__ = ["AttentionPolicy", "DenseKVCache", "FullAttention", "RetrievalAttention", "make_policy", "policy_names"]

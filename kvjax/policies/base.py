@@ -41,6 +41,24 @@ class AttentionPolicy(abc.ABC):
   def describe(self) -> str:
     return self.name
 
+  # Lifecycle hooks, run outside jit by generate(); the defaults suit device-only policies.
+
+  def begin_prefill(self, cfg: ModelConfig, state: Any, prompt_lengths) -> Any:
+    """Called once before the first prefill chunk with the prompts' lengths [batch]."""
+    return state
+
+  def finish_prefill(self, cfg: ModelConfig, state: Any, on_progress=None) -> Any:
+    """Turns the prefill state into the decode state (e.g. offload and index the prompt)."""
+    return state
+
+  def check(self, state: Any) -> None:
+    """Raises any error the host side recorded during the last step."""
+
+  def release_fn(self, state: Any):
+    """A callable that frees the host resources of `state`; taken before the state is
+    donated to a jitted step (donation invalidates its arrays)."""
+    return lambda: None
+
 
 def layer_window(cfg: ModelConfig, layer):
   """Sliding window of `layer` (traced int32), 0 for a global layer."""

@@ -51,9 +51,15 @@ def dense_attention(
     v_cache,  # [layers, batch, kv_heads, capacity, head_dim]
     *,
     implementation: str,
+    window=None,
 ):
-  """Causal (optionally sliding-window) attention of q over the cache: (o, lse) in f32."""
-  window = layer_window(cfg, layer)
+  """Causal (optionally sliding-window) attention of q over the cache: (o, lse) in f32.
+
+  `layer` indexes the cache; `window` defaults to the sliding window of model layer `layer`
+  (pass it when the cache holds a subset of the layers).
+  """
+  if window is None:
+    window = layer_window(cfg, layer)
   if q.shape[1] == 1:  # decode: one query per sequence
     pos = positions[:, 0]
     starts = jnp.where(window > 0, jnp.maximum(pos + 1 - window, 0), 0)

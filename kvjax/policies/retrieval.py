@@ -1,0 +1,268 @@
+"""`retrieval`: RetrievalAttention (Liu et al., 2024) — a static set on the device, the rest on
+the host behind a vector index, merged by log-sum-exp inside the jitted step.
+
+Device: per layer a ring of `sinks` first tokens and the last `window` tokens
+([L, B, Hkv, sinks + window, D] keys and values) and the queries of the window tokens
+([L, B, Hq, window, D], which roar uses to link an evicted key into its graph).
+Host: every other token in a host_index.HostContext, one index per head.
+
+Prefill is dense (as in the paper): the whole prompt's KV sits in a dense cache while the
+prompt runs, together with a strided sample of the prefill queries. `finish_prefill` then
+fills the rings, moves the middle of the prompt to the host store, computes the training
+queries' exact top-N_q keys on the device (ops.exact_topk) and builds the indexes; only
+layers kept dense (`dense_layers`, and every sliding-window layer of the model, which is
+local by construction) keep their dense cache for decode.
+
+Decode, per retrieval layer and step: the token leaving the window (position p − window) is
+read from its ring slot before the new token overwrites it and is handed to the single host
+callback of the layer, which inserts it into the store and index and then searches and
+attends on the host; nothing is lost as generation outruns the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import host_index
+import ops
+from kvjax import host_runtime
+from kvjax.policies.base import AttentionPolicy
+from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
+from models.config import ModelConfig
+
+INDEX_KINDS = ("roar", "graph", "ivf", "flat")
+
+
+@flax.struct.dataclass
+class RetrievalState:
+  ring_k: jax.Array  # [L, B, Hkv, sinks + window, D]
+  ring_v: jax.Array  # [L, B, Hkv, sinks + window, D]
+  ring_q: jax.Array  # [L, B, Hq, window, D] queries of the window tokens
+  dense: DenseKVCache  # [n_dense, B, Hkv, capacity, D]: every layer during prefill, dense layers after
+  train_q: jax.Array  # [L, B, Hq, M, D] strided prefill queries (M = 0 after prefill)
+  prompt_lengths: jax.Array  # [B] int32
+  runtime_id: jax.Array  # [] int32: key of the HostRuntime in kvjax.host_runtime
+  status: jax.Array  # [] int32: worst host callback status so far (0 = ok)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalAttention(AttentionPolicy):
+  """Options:
+
+  index: host index kind, "roar" (attention-aware), "graph", "ivf" or "flat" (exact).
+  topk: keys retrieved per query head per step (100 in the paper; 2000 for key-value retrieval).
+  sinks, window: tokens kept on the device (first and most recent).
+  ef: search effort (graph candidate list, IVF nprobe); None = the index's default.
+  dense_layers: layers attended densely on the device.
+  train_queries: prefill queries per head kept to train roar (strided over the prompt).
+  train_topk: N_q, each training query's exact top keys linked by roar.
+  implementation: device kernel, "auto" | "pallas" | "xla".
+  """
+
+  index: str = "roar"
+  topk: int = 100
+  sinks: int = 128
+  window: int = 512
+  ef: int | None = None
+  dense_layers: tuple[int, ...] = ()
+  train_queries: int = 4096
+  train_topk: int = 100
+  implementation: str = "auto"
+  name: str = "retrieval"
+
+  def __post_init__(self):
+    if self.index not in INDEX_KINDS:
+      raise ValueError(f"index={self.index!r}; expected one of {INDEX_KINDS}")
+    for field in ("topk", "window", "train_queries", "train_topk"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
+    if self.sinks < 0:
+      raise ValueError(f"sinks={self.sinks} must be >= 0")
+    if self.ef is not None and self.ef < 1:
+      raise ValueError(f"ef={self.ef} must be >= 1")
+    object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
+
+  def describe(self) -> str:
+    dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
+    return (f"retrieval(index={self.index}, device: sinks {self.sinks} + window {self.window}, "
+            f"host: top-{self.topk} per query head{dense})")
+
+  # -- layout ----------------------------------------------------------------------------
+
+  def dense_layer_ids(self, cfg: ModelConfig) -> tuple[int, ...]:
+    bad = [l for l in self.dense_layers if not 0 <= l < cfg.num_layers]
+    if bad:
+      raise ValueError(f"dense_layers {bad} out of range for {cfg.num_layers} layers")
+    local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
+    return tuple(sorted(set(self.dense_layers) | set(local)))
+
+  def _dense_slot(self, cfg: ModelConfig, layer):
+    """Index of `layer` in the decode-time dense cache, -1 for a retrieval layer."""
+    table = np.full(cfg.num_layers, -1, np.int32)
+    for i, l in enumerate(self.dense_layer_ids(cfg)):
+      table[l] = i
+    return jnp.asarray(table)[layer]
+
+  # -- state -----------------------------------------------------------------------------
+
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> RetrievalState:
+    L, Hkv, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    ring = (L, batch, Hkv, self.sinks + self.window, D)
+    context = host_index.HostContext(
+        batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index)
+    runtime = host_runtime.HostRuntime(context, sinks=self.sinks, window=self.window, topk=self.topk,
+                                       ef=self.ef, scale=cfg.attn_scale)
+    train = min(self.train_queries, capacity)
+    return RetrievalState(
+        ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
+        ring_q=jnp.zeros((L, batch, Hq, self.window, D), dtype),
+        dense=DenseKVCache(k=jnp.zeros((L, batch, Hkv, capacity, D), dtype),
+                           v=jnp.zeros((L, batch, Hkv, capacity, D), dtype)),
+        train_q=jnp.zeros((L, batch, Hq, train, D), dtype),
+        prompt_lengths=jnp.zeros((batch,), jnp.int32),
+        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
+
+  def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
+    return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
+
+  def runtime(self, state: RetrievalState) -> host_runtime.HostRuntime:
+    return host_runtime.lookup(int(state.runtime_id))
+
+  def check(self, state: RetrievalState) -> None:
+    runtime = self.runtime(state)
+    if runtime is None:
+      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
+    runtime.raise_errors()
+    if int(state.status) != host_runtime.STATUS_OK:
+      raise RuntimeError(f"host callback returned status {int(state.status)}")
+
+  def release_fn(self, state: RetrievalState):
+    runtime = self.runtime(state)
+    return runtime.close if runtime is not None else (lambda: None)
+
+  # -- attention -------------------------------------------------------------------------
+
+  def attend(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    if q.shape[1] > 1:
+      return self._prefill(cfg, layer, q, k, v, positions, state)
+    slot = self._dense_slot(cfg, layer)
+    if not self.dense_layer_ids(cfg):
+      return self._retrieve(cfg, layer, q, k, v, positions, state)
+    return jax.lax.cond(slot >= 0,
+                        lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
+                        lambda st: self._retrieve(cfg, layer, q, k, v, positions, st), state)
+
+  def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    dense = DenseKVCache(k=write_tokens(state.dense.k, layer, k, positions),
+                         v=write_tokens(state.dense.v, layer, v, positions))
+    o, _ = dense_attention(cfg, layer, q, positions, dense.k, dense.v, implementation="xla")
+    B = q.shape[0]
+    batch_ids = jnp.arange(B, dtype=jnp.int32)[:, None]
+    valid = positions < state.prompt_lengths[:, None]  # [B, T]; padding past a prompt is not stored
+    # Strided training queries: position p lands in slot p // stride when p % stride == 0.
+    M = state.train_q.shape[3]
+    stride = max(1, math.ceil(state.dense.capacity / M))
+    train_slot = jnp.where(valid & (positions % stride == 0), positions // stride, M)  # M = dropped
+    train_q = state.train_q.at[layer, batch_ids, :, train_slot].set(q.astype(state.train_q.dtype), mode="drop")
+    # Queries of the prompt's last `window` tokens (past the sinks) seed the query ring.
+    W, S = self.window, self.sinks
+    in_window = valid & (positions >= S) & (positions >= state.prompt_lengths[:, None] - W)
+    q_slot = jnp.where(in_window, (positions - S) % W, W)
+    ring_q = state.ring_q.at[layer, batch_ids, :, q_slot].set(q.astype(state.ring_q.dtype), mode="drop")
+    return o, state.replace(dense=dense, train_q=train_q, ring_q=ring_q)
+
+  def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: RetrievalState):
+    dense = DenseKVCache(k=write_tokens(state.dense.k, slot, k, positions),
+                         v=write_tokens(state.dense.v, slot, v, positions))
+    o, _ = dense_attention(cfg, slot, q, positions, dense.k, dense.v,
+                           implementation=resolve_implementation(self.implementation),
+                           window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
+    return o.astype(jnp.float32), state.replace(dense=dense)
+
+  def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    S, W = self.sinks, self.window
+    B = q.shape[0]
+    pos = positions[:, 0]  # [B]
+    b = jnp.arange(B, dtype=jnp.int32)
+    slot = jnp.where(pos < S, pos, S + (pos - S) % W)
+    q_slot = jnp.where(pos >= S, (pos - S) % W, W)  # sinks are never evicted: no query kept
+    evicted_pos = jnp.where(pos - W >= S, pos - W, -1)
+    # The token leaving the window shares its ring slot with the new one: read it first.
+    evicted_k = state.ring_k[layer, b, :, slot]  # [B, Hkv, D]
+    evicted_v = state.ring_v[layer, b, :, slot]
+    evicted_q = state.ring_q[layer, b, :, jnp.minimum(q_slot, W - 1)]  # [B, Hq, D]
+    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
+    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
+    ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
+
+    q0 = q[:, 0]  # [B, Hq, D]
+    o_dev, lse_dev = ops.partial_attention(
+        q0, ring_k, ring_v, jnp.minimum(pos + 1, S + W), layer=layer, scale=cfg.attn_scale,
+        implementation=resolve_implementation(self.implementation))
+    result_shapes = (jax.ShapeDtypeStruct(q0.shape, jnp.float32), jax.ShapeDtypeStruct(q0.shape[:2], jnp.float32),
+                     jax.ShapeDtypeStruct((), jnp.int32))
+    o_host, lse_host, status = jax.pure_callback(
+        host_runtime.decode_callback, result_shapes, state.runtime_id, layer, q0.astype(jnp.float32),
+        evicted_k, evicted_v, evicted_q, evicted_pos, vmap_method="sequential")
+    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_host, lse_host)])
+    state = state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q, status=jnp.maximum(state.status, status))
+    return o[:, None], state
+
+  # -- prefill -> decode -----------------------------------------------------------------
+
+  def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
+    """Fills the rings, offloads the prompt's middle to the host and builds the indexes."""
+    lengths = np.asarray(state.prompt_lengths)
+    S, W = self.sinks, self.window
+    runtime = self.runtime(state)
+    context = runtime.context
+    ring_k, ring_v = _rings_from_dense(state.dense.k, state.dense.v, jnp.asarray(lengths), S, W)
+    dense_ids = self.dense_layer_ids(cfg)
+    M = state.train_q.shape[3]
+    stride = max(1, math.ceil(state.dense.capacity / M))
+    for layer in range(cfg.num_layers):
+      if layer in dense_ids:
+        continue
+      for b, n in enumerate(lengths):
+        end = int(n) - W
+        if end <= S:
+          continue  # the whole prompt fits on the device
+        keys = state.dense.k[layer, b, :, S:end]  # [Hkv, N, D]
+        values = state.dense.v[layer, b, :, S:end]
+        context.append(b, layer, 0, np.asarray(keys), np.asarray(values))
+        if self.index == "roar":
+          count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
+          queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
+          _, ids = ops.exact_topk(queries, keys, min(self.train_topk, end - S))
+          context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
+                              train_topk=np.asarray(ids)[None])
+        else:
+          context.build_layer(layer, seqs=[b])
+      if on_progress is not None:
+        on_progress(layer + 1, cfg.num_layers)
+    dense = DenseKVCache(k=state.dense.k[jnp.asarray(dense_ids, jnp.int32)],
+                         v=state.dense.v[jnp.asarray(dense_ids, jnp.int32)])
+    return state.replace(ring_k=ring_k, ring_v=ring_v, dense=dense,
+                         train_q=state.train_q[:, :, :, :0])
+
+
+def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, window: int):
+  """Rings [L, B, Hkv, sinks + window, D] holding what decode expects after `lengths` tokens.
+
+  Slot s < sinks holds position s; slot sinks + r holds the latest position p < length with
+  (p − sinks) % window == r. Slots not reached yet hold zeros (they are masked by length).
+  """
+  slots = jnp.arange(sinks + window, dtype=jnp.int32)  # [R]
+  last = lengths[:, None] - 1  # [B, 1]
+  r = slots - sinks
+  latest = sinks + r + window * jnp.floor_divide(last - sinks - r, window)  # [B, R]
+  pos = jnp.where(slots < sinks, slots, latest)
+  pos = jnp.where((pos >= 0) & (pos <= last), pos, 0)
+  gather = jax.vmap(lambda k_b, p_b: k_b[:, :, p_b], in_axes=(1, 0), out_axes=1)  # over batch
+  return gather(dense_k, pos), gather(dense_v, pos)

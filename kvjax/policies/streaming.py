@@ -1,0 +1,265 @@
+"""`streaming` (StreamingLLM, Xiao et al. 2024): attend to the first `sinks` tokens and the last `window`.
+
+Semantics (what a long-context comparison expects, as in the RetrievalAttention and FreeKV
+tables): the **prompt is prefilled densely** (full causal attention, the layer's own sliding
+window on Gemma's local layers) and every **decode step** attends to
+`{j < sinks} ∪ {p - window < j <= p}` (the current token included), intersected with the
+layer's own sliding window on local layers. Layers in `dense_layers` decode densely.
+
+State. Dense prefill needs the whole prompt's keys, a streaming decode step only a ring of
+`sinks + window` slots, and the state's shapes cannot change inside a jitted step. So the
+state has two forms:
+
+  * the prefill form (`init_state`): a dense cache [L, B, Hkv, capacity, D] as in `full`.
+    Decode steps run on it too, reading only the sinks and the window (two contiguous
+    ranges, so the kernel visits just those blocks) — exact, but holding the full cache;
+  * the ring form (`finish_prefill(cfg, state, lengths)`, called once after prefill with
+    the prompt lengths): a ring [L, B, Hkv, sinks + window, D] where position p lives in slot
+    p if p < sinks, else sinks + (p - sinks) % window, plus a dense cache for `dense_layers`
+    only. The prompt lengths are needed because prefill pads prompts to whole chunks and
+    the padding's keys must not evict real tokens from the ring.
+
+Both forms give the same outputs (tested). A prefill chunk of one token is indistinguishable
+from a decode step (the policy sees only shapes) and is attended as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+import ops
+from kvjax.policies.base import AttentionPolicy, layer_window
+from kvjax.policies.full import dense_attention, resolve_implementation, write_tokens
+from models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class StreamingKVCache:
+  k: jax.Array  # [layers, batch, kv_heads, capacity, head_dim], or [.., sinks + window, ..] when ring
+  v: jax.Array  # same as k
+  dense_k: jax.Array  # [len(dense_layers), batch, kv_heads, capacity, head_dim] when ring, else [0, ...]
+  dense_v: jax.Array  # same as dense_k
+  ring: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def normalize_dense_layers(dense_layers) -> tuple[int, ...]:
+  """Returns dense_layers as a sorted tuple of distinct non-negative ints, or raises."""
+  try:
+    layers = tuple(int(i) for i in dense_layers)
+  except TypeError:
+    raise ValueError(f"dense_layers={dense_layers!r} must be a sequence of layer ids") from None
+  if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
+    raise ValueError(f"dense_layers={dense_layers!r} must be distinct non-negative layer ids")
+  return tuple(sorted(layers))
+
+
+def check_dense_layers_fit(cfg: ModelConfig, dense_layers: tuple[int, ...]) -> None:
+  bad = [i for i in dense_layers if i >= cfg.num_layers]
+  if bad:
+    raise ValueError(f"dense_layers={dense_layers} names layers {bad} of a {cfg.num_layers}-layer model")
+
+
+def is_dense_layer(layer, dense_layers: tuple[int, ...]):
+  """[] bool: whether the traced `layer` is in the static `dense_layers`."""
+  if not dense_layers:
+    return jnp.asarray(False)
+  return jnp.isin(layer, jnp.asarray(dense_layers, jnp.int32))
+
+
+def ring_slot(
+    positions,  # [...] int32 absolute positions
+    *,
+    sinks: int,
+    window: int,
+):
+  """[...] int32: the ring slot of each position (p if p < sinks, else sinks + (p - sinks) % window)."""
+  return jnp.where(positions < sinks, positions, sinks + (positions - sinks) % window)
+
+
+def streaming_ranges(
+    pos,  # [batch] int32: position of the decoding token (already written)
+    layer_win,  # [] int32: the layer's own sliding window, 0 for a global layer
+    *,
+    sinks: int,
+    window: int,
+    ring: bool,
+):
+  """Two [start, end) ranges whose union is exactly the attended set of each sequence.
+
+  The attended positions are `[lo, min(sinks, p + 1))` (sinks) and
+  `[max(sinks, p - window + 1, lo), p + 1)` (window), with `lo = p - layer_win + 1` on a
+  local layer (else 0). Over the dense cache the ranges are those positions. Over the ring
+  the window's slots may wrap; the wrapped tail [sinks, e) is then adjacent to the sink
+  slots and joins them, so two ranges always suffice.
+
+  Returns:
+    ((start1, end1), (start2, end2)), each [batch] int32 with start <= end.
+  """
+  lo = jnp.where(layer_win > 0, jnp.maximum(pos - layer_win + 1, 0), 0)
+  sink_end = jnp.minimum(sinks, pos + 1)
+  win_lo = jnp.maximum(jnp.maximum(sinks, pos - window + 1), lo)
+  has_win = win_lo <= pos
+  if not ring:
+    end1 = jnp.where(has_win, pos + 1, win_lo)
+    return (win_lo, end1), (jnp.minimum(lo, sink_end), sink_end)
+  first_slot = ring_slot(win_lo, sinks=sinks, window=window)
+  end_slot = ring_slot(pos, sinks=sinks, window=window) + 1
+  wrap = has_win & (first_slot >= end_slot)
+  start1 = jnp.where(has_win, first_slot, 0)
+  end1 = jnp.where(has_win, jnp.where(wrap, sinks + window, end_slot), 0)
+  start2 = jnp.where(wrap, jnp.minimum(lo, sinks), lo)
+  end2 = jnp.where(wrap, end_slot, sink_end)
+  return (start1, end1), (jnp.minimum(start2, end2), end2)
+
+
+def _decode_dense(
+    cfg: ModelConfig,
+    layer,  # [] int32: model layer (for its sliding window)
+    cache_layer,  # [] int32: index into the cache's leading axis
+    q,  # [batch, num_heads, head_dim]
+    pos,  # [batch] int32
+    k_cache,  # [n, batch, kv_heads, capacity, head_dim]
+    v_cache,  # [n, batch, kv_heads, capacity, head_dim]
+    implementation: str,
+):
+  """Dense (optionally sliding-window) decode attention: o [batch, num_heads, head_dim] f32."""
+  win = layer_window(cfg, layer)
+  starts = jnp.where(win > 0, jnp.maximum(pos + 1 - win, 0), 0)
+  o, _ = ops.partial_attention(q, k_cache, v_cache, pos + 1, starts=starts, layer=cache_layer,
+                               scale=cfg.attn_scale, implementation=implementation)
+  return o
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(AttentionPolicy):
+  """Sinks + sliding window (StreamingLLM) with dense prefill; see the module docstring.
+
+  Attributes:
+    sinks: first tokens always attended (attention sinks), >= 0.
+    window: most recent tokens attended, the current one included, >= 1.
+    dense_layers: layer ids that decode densely (kept whole on the device).
+    implementation: decode kernel, "auto", "pallas" or "xla" (as in `full`).
+  """
+
+  sinks: int = 128
+  window: int = 512
+  dense_layers: tuple[int, ...] = ()
+  implementation: str = "auto"
+  name: str = "streaming"
+
+  def __post_init__(self):
+    if not isinstance(self.sinks, int) or self.sinks < 0:
+      raise ValueError(f"sinks={self.sinks!r} must be an int >= 0")
+    if not isinstance(self.window, int) or self.window < 1:
+      raise ValueError(f"window={self.window!r} must be an int >= 1")
+    object.__setattr__(self, "dense_layers", normalize_dense_layers(self.dense_layers))
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"implementation={self.implementation!r}; expected auto, pallas or xla")
+
+  def describe(self) -> str:
+    dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
+    return (f"streaming(sinks={self.sinks}, window={self.window}, dense prefill; decode budget "
+            f"{self.sinks + self.window} tokens = sinks {self.sinks} + window {self.window}{dense})")
+
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> StreamingKVCache:
+    check_dense_layers_fit(cfg, self.dense_layers)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    empty = jnp.zeros((0, batch, cfg.num_kv_heads, capacity, cfg.head_dim), dtype)
+    return StreamingKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), dense_k=empty, dense_v=empty)
+
+  def finish_prefill(
+      self,
+      cfg: ModelConfig,
+      state: StreamingKVCache,
+      lengths,  # [batch] int32: prompt tokens per sequence
+  ) -> StreamingKVCache:
+    """Turns the prefill state into the ring form (see the module docstring); frees the dense cache."""
+    if state.ring:
+      raise ValueError("finish_prefill called twice: the state is already a ring")
+    return _to_ring(state, jnp.asarray(lengths, jnp.int32), sinks=self.sinks, window=self.window,
+                    dense_layers=self.dense_layers)
+
+  def attend(self, cfg, layer, q, k, v, positions, state: StreamingKVCache):
+    impl = resolve_implementation(self.implementation)
+    dense = is_dense_layer(layer, self.dense_layers)
+    if not state.ring:
+      state = state.replace(k=write_tokens(state.k, layer, k, positions), v=write_tokens(state.v, layer, v, positions))
+      if q.shape[1] > 1:  # prefill is dense
+        o, _ = dense_attention(cfg, layer, q, positions, state.k, state.v, implementation=impl)
+        return o, state
+      q1, pos = q[:, 0], positions[:, 0]
+      o = jax.lax.cond(
+          dense,
+          lambda: _decode_dense(cfg, layer, layer, q1, pos, state.k, state.v, impl),
+          lambda: self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=False, impl=impl))
+      return o[:, None], state
+
+    if q.shape[1] != 1:
+      raise ValueError(f"a ring-form streaming state takes one token per step, got a chunk of {q.shape[1]}")
+    pos = positions[:, 0]
+    slots = ring_slot(positions, sinks=self.sinks, window=self.window)
+    state = state.replace(k=write_tokens(state.k, layer, k, slots), v=write_tokens(state.v, layer, v, slots))
+    q1 = q[:, 0]
+    if not self.dense_layers:
+      return self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=True, impl=impl)[:, None], state
+    # Index of `layer` among dense_layers; len(dense_layers) (out of range: the write is
+    # dropped) when it is not a dense layer.
+    dense_ids = jnp.asarray(self.dense_layers, jnp.int32)
+    slot = jnp.where(dense, jnp.argmax(dense_ids == layer), len(self.dense_layers)).astype(jnp.int32)
+    state = state.replace(dense_k=write_tokens(state.dense_k, slot, k, positions),
+                          dense_v=write_tokens(state.dense_v, slot, v, positions))
+    o = jax.lax.cond(
+        dense,
+        lambda: _decode_dense(cfg, layer, jnp.minimum(slot, len(self.dense_layers) - 1), q1, pos,
+                              state.dense_k, state.dense_v, impl),
+        lambda: self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=True, impl=impl))
+    return o[:, None], state
+
+  def _window_attention(
+      self,
+      cfg: ModelConfig,
+      layer,  # [] int32
+      q,  # [batch, num_heads, head_dim]
+      pos,  # [batch] int32
+      k_cache,  # [layers, batch, kv_heads, capacity or sinks + window, head_dim]
+      v_cache,  # same as k_cache
+      *,
+      ring: bool,
+      impl: str,
+  ):
+    """Attention over the sinks and the window: o [batch, num_heads, head_dim] f32."""
+    ranges = streaming_ranges(pos, layer_window(cfg, layer), sinks=self.sinks, window=self.window, ring=ring)
+    parts = [ops.partial_attention(q, k_cache, v_cache, end, starts=start, layer=layer, scale=cfg.attn_scale,
+                                   implementation=impl)
+             for start, end in ranges]
+    o, _ = ops.merge_partials(parts)
+    return o
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "window", "dense_layers"))
+def _to_ring(
+    state: StreamingKVCache,
+    lengths,  # [batch] int32
+    *,
+    sinks: int,
+    window: int,
+    dense_layers: tuple[int, ...],
+) -> StreamingKVCache:
+  capacity = state.k.shape[3]
+  last = lengths - 1  # [B]
+  slots = jnp.arange(sinks + window, dtype=jnp.int32)
+  # Latest prompt position held by each slot: sink slot s holds s; window slot s holds the
+  # largest j <= last with j ≡ s (mod window). Slots whose position is not a real prompt
+  # token hold garbage that decode never reads (its ranges cover valid positions only).
+  held = jnp.where(slots < sinks, slots, last[:, None] - (last[:, None] - slots) % window)  # [B, S+W]
+  held = jnp.clip(held, 0, capacity - 1)
+  batch_ids = jnp.arange(state.k.shape[1])[:, None]
+  # Advanced indices on axes 1 and 3 come first: [B, S+W, L, Hkv, D] -> [L, B, Hkv, S+W, D].
+  gather = lambda x: jnp.transpose(x[:, batch_ids, :, held, :], (2, 0, 3, 1, 4))
+  ids = jnp.asarray(dense_layers, jnp.int32)
+  return StreamingKVCache(k=gather(state.k), v=gather(state.v), dense_k=state.k[ids], dense_v=state.v[ids], ring=True)

