@@ -84,6 +84,12 @@ def main(argv):
       "peak_device_bytes": result.peak_device_bytes,
       "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
+  steps = max(1, len(result.decode_seconds) + 1)
+  for key, value in result.policy_stats.items():  # host-side breakdown of sparse policies
+    if key.endswith("_seconds"):
+      report[f"host_{key[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)
+    elif value is not None:
+      report[f"host_{key}"] = round(value, 4) if isinstance(value, float) else value
   print(f"answer: {answer!r}")
   if passkey is not None:
     found = passkey in answer

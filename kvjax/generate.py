@@ -37,6 +37,7 @@ class GenerationResult:
     kv_bytes: bytes of the policy state on the device.
     peak_device_bytes: the device allocator's peak, where the backend reports it.
     logits: per-step logits [steps, batch, vocab] when asked for (return_logits=True).
+    policy_stats: the policy's counters (host time, speculation rates...), {} for device-only.
   """
 
   texts: list[str] | None
@@ -48,6 +49,7 @@ class GenerationResult:
   kv_bytes: int
   peak_device_bytes: int | None
   logits: np.ndarray | None = None
+  policy_stats: dict = dataclasses.field(default_factory=dict)
 
   @property
   def ms_per_token(self) -> float:
@@ -235,4 +237,5 @@ def _run(model, attention, sampling, state, tokens, lengths, capacity, rope, sto
       kv_bytes=_state_bytes(state),
       peak_device_bytes=_device_peak_bytes(),
       logits=np.stack(step_logits) if return_logits else None,
+      policy_stats=attention.stats(state),
   )

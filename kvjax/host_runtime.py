@@ -12,6 +12,7 @@ the callback returns a nonzero status (and o = 0, lse = -inf so the step stays f
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import threading
@@ -22,9 +23,26 @@ import numpy as np
 
 import host_index
 
-_RUNTIMES: dict[int, "HostRuntime"] = {}
+_RUNTIMES: dict[int, object] = {}
 _NEXT_ID = itertools.count(1)
 _LOCK = threading.Lock()
+
+
+def register(runtime) -> int:
+  """Registers any host-side runtime object; returns the id to carry in a policy state."""
+  with _LOCK:
+    runtime_id = next(_NEXT_ID)
+    _RUNTIMES[runtime_id] = runtime
+  return runtime_id
+
+
+def unregister(runtime_id: int) -> None:
+  with _LOCK:
+    _RUNTIMES.pop(int(runtime_id), None)
+
+
+def lookup(runtime_id: int):
+  return _RUNTIMES.get(int(runtime_id))
 
 STATUS_OK = 0
 STATUS_HOST_ERROR = 1
@@ -37,32 +55,47 @@ class HostStats:
 
   callbacks: int = 0
   insert_seconds: float = 0.0
-  attend_seconds: float = 0.0
+  attend_seconds: float = 0.0  # search + attention on the critical path
+  wait_seconds: float = 0.0  # speculative: waiting for a background search to finish
+  background_seconds: float = 0.0  # speculative: search time hidden in background threads
   callback_seconds: float = 0.0
   inserted_tokens: int = 0
   scanned: int = 0
   searched_heads: int = 0
+  speculated_groups: int = 0  # (seq, layer, kv head, step) served from the previous selection
+  corrected_groups: int = 0  # ... corrected synchronously (query drifted below tau)
+  reused_hits: int = 0  # reused ids that are in the current query's exact search result
+  reused_total: int = 0
 
   def as_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    out = dataclasses.asdict(self)
+    decided = self.speculated_groups + self.corrected_groups
+    out["correction_rate"] = self.corrected_groups / decided if decided else None
+    out["hit_rate"] = self.reused_hits / self.reused_total if self.reused_total else None
+    return out
 
 
 class HostRuntime:
   """One run's host context, retrieval settings and error log."""
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
-               scale: float):
+               scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
+    self.speculative, self.tau, self.background_threads = speculative, tau, background_threads
     self.stats = HostStats()
     self.errors: list[str] = []
-    with _LOCK:
-      self.id = next(_NEXT_ID)
-      _RUNTIMES[self.id] = self
+    # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
+    # launched with it, whose ids [B, Hq, k] serve the next step.
+    self._previous_query: dict[int, np.ndarray] = {}
+    self._pending: dict[int, concurrent.futures.Future] = {}
+    self._used_ids: dict[int, np.ndarray] = {}
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-search")
+    self.id = register(self)
 
   def close(self) -> None:
-    with _LOCK:
-      _RUNTIMES.pop(self.id, None)
+    unregister(self.id)
+    self._executor.shutdown(wait=True, cancel_futures=True)
 
   def raise_errors(self) -> None:
     if self.errors:
@@ -92,17 +125,137 @@ class HostRuntime:
                                   queries=evicted_q[b][:, None])
       self.stats.inserted_tokens += added
     t1 = time.perf_counter()
-    o, lse, scanned = self.context.attend(layer, queries, k=self.topk, ef=self.ef, scale=self.scale)
-    t2 = time.perf_counter()
     self.stats.insert_seconds += t1 - t0
-    self.stats.attend_seconds += t2 - t1
-    self.stats.scanned += int(scanned.sum())
-    self.stats.searched_heads += scanned.size
+    if not self.speculative:
+      o, lse, scanned = self.context.attend(layer, queries, k=self.topk, ef=self.ef, scale=self.scale)
+      self.stats.attend_seconds += time.perf_counter() - t1
+      self._count_scanned(scanned)
+      return o, lse
+    return self._speculative_layer(layer, queries, evicted_pos)
+
+  # -- speculative retrieval (FreeKV's reuse applied to the vector index) ----------------
+
+  def _count_scanned(self, scanned) -> None:
+    self.stats.scanned += int(np.sum(scanned))
+    self.stats.searched_heads += int(np.size(scanned))
+
+  def _search(self, layer: int, queries, heads=None, threads=None):
+    """Top-k store ids [B, Hq, k] of every (seq, query head) in `heads` (default all)."""
+    ctx = self.context
+    B, Hq, _ = queries.shape
+    group = Hq // ctx.num_kv_heads
+    ids = np.full((B, Hq, self.topk), -1, np.int64)
+    scanned = np.zeros((B, Hq), np.int64)
+    for b in range(B):
+      if ctx.store.length(b, layer) == 0:
+        continue
+      for g in range(ctx.num_kv_heads):
+        members = [h for h in range(g * group, (g + 1) * group) if heads is None or heads[b, h]]
+        if not members:
+          continue
+        if ctx.per_q_head:
+          for h in members:
+            found, _, count = ctx.index(b, layer, h).search(queries[b, h][None], self.topk, ef=self.ef,
+                                                            threads=threads)
+            ids[b, h], scanned[b, h] = found[0], count[0]
+        else:  # the query heads of a group share their KV head's index
+          found, _, count = ctx.index(b, layer, g).search(queries[b, members], self.topk, ef=self.ef,
+                                                          threads=threads)
+          ids[b, members], scanned[b, members] = found, count
+    return ids, scanned
+
+  def _background_search(self, layer: int, queries):
+    t0 = time.perf_counter()
+    result = self._search(layer, queries, threads=self.background_threads)
+    self.stats.background_seconds += time.perf_counter() - t0
+    return result
+
+  def _speculative_layer(self, layer: int, queries, evicted_pos):
+    t0 = time.perf_counter()
+    B, Hq, _ = queries.shape
+    Hkv = self.context.num_kv_heads
+    previous = self._previous_query.get(layer)
+    pending = self._pending.pop(layer, None)
+    extra = np.full((B, 1), -1, np.int64)  # the token evicted this step is not in an older search
+    if previous is None or pending is None:
+      ids, scanned = self._search(layer, queries)
+      correct = np.ones((B, Hkv), bool)
+    else:
+      t_wait = time.perf_counter()
+      ids, scanned = pending.result()  # ids of the previous query: the speculative selection
+      self.stats.wait_seconds += time.perf_counter() - t_wait
+      self._score_reuse(layer, ids)
+      correct = _group_mean_cosine(queries, previous, Hkv) < self.tau  # [B, Hkv]
+      if correct.any():
+        heads = np.repeat(correct, Hq // Hkv, axis=1)  # [B, Hq]
+        fresh, fresh_scanned = self._search(layer, queries, heads=heads)
+        ids = np.where(heads[..., None], fresh, ids)
+        scanned = np.where(heads, fresh_scanned, 0)
+      else:
+        scanned = np.zeros_like(scanned)
+      has_evicted = evicted_pos >= 0
+      extra[has_evicted, 0] = evicted_pos[has_evicted] - self.sinks
+    self.stats.corrected_groups += int(correct.sum())
+    self.stats.speculated_groups += int((~correct).sum())
+    self._count_scanned(scanned)
+    # Corrected heads searched after this step's insertion: the evicted token may be in their
+    # results already, so it is added only to reused selections.
+    heads_reused = ~np.repeat(correct, Hq // Hkv, axis=1)
+    extra_ids = np.where(heads_reused[..., None], extra[:, None, :], -1)
+    o, lse = self._attend_ids(layer, queries, np.concatenate([ids, extra_ids], axis=-1))
+    self._used_ids[layer] = ids
+    self._previous_query[layer] = queries.copy()
+    self._pending[layer] = self._executor.submit(self._background_search, layer, queries.copy())
+    self.stats.attend_seconds += time.perf_counter() - t0
+    return o, lse
+
+  def _score_reuse(self, layer: int, fresh_ids) -> None:
+    """Hit rate: the ids used at the previous step against that step's own exact result."""
+    used = self._used_ids.get(layer)
+    if used is None:
+      return
+    for row_used, row_fresh in zip(used.reshape(-1, used.shape[-1]), fresh_ids.reshape(-1, fresh_ids.shape[-1])):
+      reused = row_used[row_used >= 0]
+      self.stats.reused_hits += len(np.intersect1d(reused, row_fresh[row_fresh >= 0]))
+      self.stats.reused_total += len(reused)
+
+  def _attend_ids(self, layer: int, queries, ids):
+    """Attention of queries [B, Hq, D] over given store ids [B, Hq, n] (-1 = none) -> (o, lse)."""
+    B, Hq, D = queries.shape
+    group = Hq // self.context.num_kv_heads
+    o = np.zeros((B, Hq, D), np.float32)
+    lse = np.full((B, Hq), -np.inf, np.float32)
+    kv_head = np.arange(Hq) // group
+    for b in range(B):
+      k_buf, v_buf, n = self.context.store.buffers(b, layer)
+      valid = (ids[b] >= 0) & (ids[b] < n)  # [Hq, n_ids]
+      if not valid.any():
+        continue
+      safe = np.where(valid, ids[b], 0)
+      keys = self.context.store._as_float(k_buf[kv_head[:, None], safe])  # [Hq, n_ids, D]
+      values = self.context.store._as_float(v_buf[kv_head[:, None], safe])
+      scores = np.einsum("hd,hnd->hn", queries[b], keys) * self.scale
+      scores = np.where(valid, scores, -np.inf)
+      top = scores.max(axis=-1, keepdims=True)
+      top = np.where(np.isfinite(top), top, 0.0)
+      weights = np.exp(scores - top)
+      total = weights.sum(axis=-1, keepdims=True)
+      nonempty = total[:, 0] > 0
+      o[b] = np.where(nonempty[:, None], np.einsum("hn,hnd->hd", weights, values) / np.maximum(total, 1e-30), 0)
+      lse[b] = np.where(nonempty, (np.log(np.maximum(total[:, 0], 1e-30)) + top[:, 0]), -np.inf)
     return o, lse
 
 
-def lookup(runtime_id: int) -> HostRuntime | None:
-  return _RUNTIMES.get(int(runtime_id))
+def _group_mean_cosine(
+    queries,  # [B, Hq, D]
+    previous,  # [B, Hq, D]
+    kv_heads: int,
+):
+  """Mean over each GQA group of cos(q_t, q_{t-1}) -> [B, kv_heads]."""
+  dot = np.sum(queries * previous, axis=-1)
+  norms = np.linalg.norm(queries, axis=-1) * np.linalg.norm(previous, axis=-1)
+  cosine = dot / np.maximum(norms, 1e-30)
+  return cosine.reshape(cosine.shape[0], kv_heads, -1).mean(axis=-1)
 
 
 def decode_callback(runtime_id, layer, queries, evicted_k, evicted_v, evicted_q, evicted_pos):

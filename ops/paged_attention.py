@@ -48,19 +48,22 @@ def _kernel(
   last = jnp.maximum(jnp.minimum(count, first + pages_per_split), first)
   gp, head_dim = q_ref.shape
   q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
+  # Triton treats DEFAULT precision as TF32: ask for IEEE f32 when storage is f32.
+  precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
 
   def body(i, carry):
     acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp]
     slot = ids_ref[i]
     k = k_ref[layer, b, h, slot, :, :]  # [P, D]
     v = v_ref[layer, b, h, slot, :, :]  # [P, D]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale  # [Gp, P]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next[:, None])
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
+                 preferred_element_type=jnp.float32)
     return alpha[:, None] * acc + pv, m_next, l_next
 
   acc = jnp.zeros((gp, head_dim), jnp.float32)

@@ -48,14 +48,15 @@ def default_config(batch: int, kv_heads: int, seq_len: int, head_dim: int,
                    ) -> tuple[int, int, int]:
   """Returns (block_k, num_splits, split_len) for a [batch, kv_heads, seq_len, head_dim] cache."""
   if block_k is None:
-    # Keep a K+V tile pair near 64 KB so two pipeline stages fit in shared memory.
-    block_k = 128 if head_dim <= 128 else 64
+    # 64 measured best on the H200 at d=128 (ops/NOTES.md); at d=256 a K+V tile
+    # pair is 64 KB, so two pipeline stages still fit in shared memory.
+    block_k = 64
   block_k = max(_MIN_TILE, min(block_k, _pow2_floor(seq_len)))
   num_blocks = pl.cdiv(seq_len, block_k)
   if num_splits is None:
     num_splits = pl.cdiv(_TARGET_PROGRAMS, batch * kv_heads)
-    # Fewer, longer splits when the set is short: each split costs a residual write.
-    num_splits = min(num_splits, pl.cdiv(num_blocks, 4))
+    # At least two blocks per split: each split costs a residual write and a prologue.
+    num_splits = min(num_splits, pl.cdiv(num_blocks, 2))
   num_splits = max(1, min(num_splits, num_blocks))
   split_len = pl.cdiv(num_blocks, num_splits) * block_k
   num_splits = pl.cdiv(seq_len, split_len)
@@ -89,6 +90,8 @@ def _kernel(
 
   gp, head_dim = q_ref.shape
   q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
+  # Triton treats DEFAULT precision as TF32: ask for IEEE f32 when storage is f32.
+  precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
   ragged_tail = seq_len % block_k != 0
 
   def body(i, carry, *, masked: bool):
@@ -102,7 +105,7 @@ def _kernel(
       blk = pl.multiple_of(nominal, block_k)
     k = k_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
     v = v_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) * scale  # [Gp, bk]
     if masked:
       pos = blk + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -114,7 +117,8 @@ def _kernel(
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next[:, None])  # [Gp, bk]
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
+                 preferred_element_type=jnp.float32)
     return alpha[:, None] * acc + pv, m_next, l_next
 
   masked_body = functools.partial(body, masked=True)

@@ -16,7 +16,7 @@ def _rand(seed, batch=2, q_heads=8, kv_heads=2, seq=90, head_dim=64):
   return rng, q, k, v
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_random_splits_equal_dense(seed):
   rng, q, k, v = _rand(seed)
   seq = k.shape[2]

@@ -11,10 +11,9 @@ TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 # (head_dim, group, kv_heads, dtype, chunk, seq, offsets, window, block_q, block_k)
 CASES = [
-    (64, 3, 2, jnp.float32, 37, 300, (100, 250), None, 16, 64),
+    (64, 3, 2, jnp.float32, 37, 300, (100, 250), "traced0", 16, 64),
     (128, 4, 1, jnp.bfloat16, 20, 200, (0, 150), 16, 8, 32),
     (256, 8, 1, jnp.float32, 9, 90, (40, 81), "traced32", 4, 16),
-    (64, 1, 2, jnp.float32, 33, 128, (60, 95), "traced0", 32, 128),
 ]
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from kvjax.policies.base import AttentionPolicy
+from kvjax.policies.freekv import FreeKVAttention
 from kvjax.policies.full import DenseKVCache, FullAttention
+from kvjax.policies.quest import QuestAttention
 from kvjax.policies.retrieval import RetrievalAttention
+from kvjax.policies.streaming import StreamingLLM
 
-_POLICIES = {"full": FullAttention, "retrieval": RetrievalAttention}
+_POLICIES = {"full": FullAttention, "quest": QuestAttention, "streaming": StreamingLLM, "retrieval": RetrievalAttention, "freekv": FreeKVAttention}
 
 
 def policy_names() -> tuple[str, ...]:
@@ -29,4 +32,4 @@ def make_policy(name: str | AttentionPolicy, **options) -> AttentionPolicy:
   return cls(**options)
 
 
-__all__ = ["AttentionPolicy", "DenseKVCache", "FullAttention", "RetrievalAttention", "make_policy", "policy_names"]
+__all__ = ["AttentionPolicy", "FreeKVAttention", "DenseKVCache", "FullAttention", "RetrievalAttention", "QuestAttention", "StreamingLLM", "make_policy", "policy_names"]

@@ -54,6 +54,10 @@ class AttentionPolicy(abc.ABC):
   def check(self, state: Any) -> None:
     """Raises any error the host side recorded during the last step."""
 
+  def stats(self, state: Any) -> dict:
+    """Counters of the run so far (host time, correction and hit rates...); {} if none."""
+    return {}
+
   def release_fn(self, state: Any):
     """A callable that frees the host resources of `state`; taken before the state is
     donated to a jitted step (donation invalidates its arrays)."""

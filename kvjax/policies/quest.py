@@ -19,8 +19,8 @@ viewed as pages ([L, B, Hkv, pages, page_size, D], a free reshape), the current 
 with `ops.partial_attention` over [page start, p], and the two are merged by LSE.
 
 Sliding-window layers (Gemma 3's local layers) and `dense_layers` decode densely: a local
-layer's own window already bounds what it reads. A prefill chunk of one token is
-indistinguishable from a decode step (the policy sees only shapes) and is attended as one.
+layer's own window already bounds what it reads. Every prefill chunk (a one-token chunk
+included) is dense until `finish_prefill` marks the state as decoding.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class QuestKVCache:
   v: jax.Array  # [layers, batch, kv_heads, capacity, head_dim]
   kmax: jax.Array  # [layers, batch, kv_heads, capacity // page_size, head_dim]: per-page max of k
   kmin: jax.Array  # [layers, batch, kv_heads, capacity // page_size, head_dim]: per-page min of k
+  decoding: bool = flax.struct.field(pytree_node=False, default=False)  # set by finish_prefill
 
 
 def max_window_pages(window: int, page_size: int) -> int:
@@ -200,14 +201,21 @@ class QuestAttention(AttentionPolicy):
     return QuestKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         kmax=jnp.zeros(pages, dtype), kmin=jnp.zeros(pages, dtype))
 
+  def finish_prefill(self, cfg: ModelConfig, state: QuestKVCache, on_progress=None) -> QuestKVCache:
+    """Marks the state as decoding: from here on, steps select pages."""
+    del cfg, on_progress
+    return state.replace(decoding=True)
+
   def attend(self, cfg, layer, q, k, v, positions, state: QuestKVCache):
     impl = resolve_implementation(self.implementation)
     k_cache, v_cache = write_tokens(state.k, layer, k, positions), write_tokens(state.v, layer, v, positions)
     kmax, kmin = update_page_summaries(k_cache, state.kmax, state.kmin, layer, positions, page_size=self.page_size)
-    state = QuestKVCache(k=k_cache, v=v_cache, kmax=kmax, kmin=kmin)
-    if q.shape[1] > 1:  # prefill is dense
+    state = state.replace(k=k_cache, v=v_cache, kmax=kmax, kmin=kmin)
+    if not state.decoding:  # prefill is dense
       o, _ = dense_attention(cfg, layer, q, positions, k_cache, v_cache, implementation=impl)
       return o, state
+    if q.shape[1] != 1:
+      raise ValueError(f"quest decodes one token per step after finish_prefill, got a chunk of {q.shape[1]}")
     dense = is_dense_layer(layer, self.dense_layers) | (layer_window(cfg, layer) > 0)
     o = jax.lax.cond(
         dense,

@@ -62,6 +62,10 @@ class RetrievalAttention(AttentionPolicy):
   dense_layers: layers attended densely on the device.
   train_queries: prefill queries per head kept to train roar (strided over the prompt).
   train_topk: N_q, each training query's exact top keys linked by roar.
+  speculative: attend over the previous step's retrieved ids with the current query while
+    host threads search for the next step; KV-head groups whose mean query cosine similarity
+    to the previous step falls below `tau` are searched again synchronously (correction).
+  tau: correction threshold in [0, 1]; 1.0 corrects every group (= the non-speculative path).
   implementation: device kernel, "auto" | "pallas" | "xla".
   """
 
@@ -73,6 +77,8 @@ class RetrievalAttention(AttentionPolicy):
   dense_layers: tuple[int, ...] = ()
   train_queries: int = 4096
   train_topk: int = 100
+  speculative: bool = False
+  tau: float = 0.8
   implementation: str = "auto"
   name: str = "retrieval"
 
@@ -84,14 +90,17 @@ class RetrievalAttention(AttentionPolicy):
         raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
     if self.sinks < 0:
       raise ValueError(f"sinks={self.sinks} must be >= 0")
+    if not 0.0 <= self.tau <= 1.0:
+      raise ValueError(f"tau={self.tau} must be in [0, 1]")
     if self.ef is not None and self.ef < 1:
       raise ValueError(f"ef={self.ef} must be >= 1")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
+    spec = f", speculative tau={self.tau}" if self.speculative else ""
     return (f"retrieval(index={self.index}, device: sinks {self.sinks} + window {self.window}, "
-            f"host: top-{self.topk} per query head{dense})")
+            f"host: top-{self.topk} per query head{dense}{spec})")
 
   # -- layout ----------------------------------------------------------------------------
 
@@ -117,7 +126,8 @@ class RetrievalAttention(AttentionPolicy):
     context = host_index.HostContext(
         batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index)
     runtime = host_runtime.HostRuntime(context, sinks=self.sinks, window=self.window, topk=self.topk,
-                                       ef=self.ef, scale=cfg.attn_scale)
+                                       ef=self.ef, scale=cfg.attn_scale, speculative=self.speculative,
+                                       tau=self.tau)
     train = min(self.train_queries, capacity)
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
@@ -141,6 +151,10 @@ class RetrievalAttention(AttentionPolicy):
     runtime.raise_errors()
     if int(state.status) != host_runtime.STATUS_OK:
       raise RuntimeError(f"host callback returned status {int(state.status)}")
+
+  def stats(self, state: RetrievalState) -> dict:
+    runtime = self.runtime(state)
+    return runtime.stats.as_dict() if runtime is not None else {}
 
   def release_fn(self, state: RetrievalState):
     runtime = self.runtime(state)

@@ -8,19 +8,19 @@ layer's own sliding window on local layers. Layers in `dense_layers` decode dens
 
 State. Dense prefill needs the whole prompt's keys, a streaming decode step only a ring of
 `sinks + window` slots, and the state's shapes cannot change inside a jitted step. So the
-state has two forms:
+state has two forms, switched by the lifecycle hooks generate() runs:
 
-  * the prefill form (`init_state`): a dense cache [L, B, Hkv, capacity, D] as in `full`.
-    Decode steps run on it too, reading only the sinks and the window (two contiguous
-    ranges, so the kernel visits just those blocks) — exact, but holding the full cache;
-  * the ring form (`finish_prefill(cfg, state, lengths)`, called once after prefill with
-    the prompt lengths): a ring [L, B, Hkv, sinks + window, D] where position p lives in slot
-    p if p < sinks, else sinks + (p - sinks) % window, plus a dense cache for `dense_layers`
-    only. The prompt lengths are needed because prefill pads prompts to whole chunks and
-    the padding's keys must not evict real tokens from the ring.
+  * the prefill form (`init_state`; `begin_prefill` records the prompt lengths): a dense
+    cache [L, B, Hkv, capacity, D] as in `full`, attended densely by every chunk (a chunk of
+    one token included);
+  * the decode form (`finish_prefill`): a ring [L, B, Hkv, sinks + window, D] where position
+    p lives in slot p if p < sinks, else sinks + (p - sinks) % window, plus a dense cache of
+    the `dense_layers` only; the prompt's dense cache is dropped. The ring is gathered from
+    the dense cache by prompt length, because prefill pads prompts to whole chunks and the
+    padding's keys must not evict real tokens.
 
-Both forms give the same outputs (tested). A prefill chunk of one token is indistinguishable
-from a decode step (the policy sees only shapes) and is attended as one.
+Decode reads the ring as two contiguous slot ranges (the window may wrap), so the kernel
+visits only valid slots; the two partial results are merged by LSE.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class StreamingKVCache:
   v: jax.Array  # same as k
   dense_k: jax.Array  # [len(dense_layers), batch, kv_heads, capacity, head_dim] when ring, else [0, ...]
   dense_v: jax.Array  # same as dense_k
+  prompt_lengths: jax.Array  # [batch] int32, set by begin_prefill
   ring: bool = flax.struct.field(pytree_node=False, default=False)
 
 
@@ -87,15 +88,13 @@ def streaming_ranges(
     *,
     sinks: int,
     window: int,
-    ring: bool,
 ):
-  """Two [start, end) ranges whose union is exactly the attended set of each sequence.
+  """Two [start, end) ring-slot ranges whose union is exactly the attended set of each sequence.
 
   The attended positions are `[lo, min(sinks, p + 1))` (sinks) and
   `[max(sinks, p - window + 1, lo), p + 1)` (window), with `lo = p - layer_win + 1` on a
-  local layer (else 0). Over the dense cache the ranges are those positions. Over the ring
-  the window's slots may wrap; the wrapped tail [sinks, e) is then adjacent to the sink
-  slots and joins them, so two ranges always suffice.
+  local layer (else 0). The window's slots may wrap; the wrapped tail [sinks, e) is then
+  adjacent to the sink slots and joins them, so two ranges always suffice.
 
   Returns:
     ((start1, end1), (start2, end2)), each [batch] int32 with start <= end.
@@ -104,9 +103,6 @@ def streaming_ranges(
   sink_end = jnp.minimum(sinks, pos + 1)
   win_lo = jnp.maximum(jnp.maximum(sinks, pos - window + 1), lo)
   has_win = win_lo <= pos
-  if not ring:
-    end1 = jnp.where(has_win, pos + 1, win_lo)
-    return (win_lo, end1), (jnp.minimum(lo, sink_end), sink_end)
   first_slot = ring_slot(win_lo, sinks=sinks, window=window)
   end_slot = ring_slot(pos, sinks=sinks, window=window) + 1
   wrap = has_win & (first_slot >= end_slot)
@@ -169,44 +165,42 @@ class StreamingLLM(AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> StreamingKVCache:
     check_dense_layers_fit(cfg, self.dense_layers)
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-    empty = jnp.zeros((0, batch, cfg.num_kv_heads, capacity, cfg.head_dim), dtype)
-    return StreamingKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), dense_k=empty, dense_v=empty)
+    empty = (0, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    # Four distinct buffers: the engine donates the state, and a buffer donated twice is refused.
+    return StreamingKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                            dense_k=jnp.zeros(empty, dtype), dense_v=jnp.zeros(empty, dtype),
+                            prompt_lengths=jnp.zeros((batch,), jnp.int32))
 
-  def finish_prefill(
+  def begin_prefill(
       self,
       cfg: ModelConfig,
       state: StreamingKVCache,
-      lengths,  # [batch] int32: prompt tokens per sequence
+      prompt_lengths,  # [batch] int32
   ) -> StreamingKVCache:
-    """Turns the prefill state into the ring form (see the module docstring); frees the dense cache."""
+    return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
+
+  def finish_prefill(self, cfg: ModelConfig, state: StreamingKVCache, on_progress=None) -> StreamingKVCache:
+    """Turns the prefill form into the decode form (see the module docstring)."""
+    del cfg, on_progress
     if state.ring:
       raise ValueError("finish_prefill called twice: the state is already a ring")
-    return _to_ring(state, jnp.asarray(lengths, jnp.int32), sinks=self.sinks, window=self.window,
-                    dense_layers=self.dense_layers)
+    return _to_ring(state, sinks=self.sinks, window=self.window, dense_layers=self.dense_layers)
 
   def attend(self, cfg, layer, q, k, v, positions, state: StreamingKVCache):
     impl = resolve_implementation(self.implementation)
-    dense = is_dense_layer(layer, self.dense_layers)
-    if not state.ring:
+    if not state.ring:  # prefill is dense
       state = state.replace(k=write_tokens(state.k, layer, k, positions), v=write_tokens(state.v, layer, v, positions))
-      if q.shape[1] > 1:  # prefill is dense
-        o, _ = dense_attention(cfg, layer, q, positions, state.k, state.v, implementation=impl)
-        return o, state
-      q1, pos = q[:, 0], positions[:, 0]
-      o = jax.lax.cond(
-          dense,
-          lambda: _decode_dense(cfg, layer, layer, q1, pos, state.k, state.v, impl),
-          lambda: self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=False, impl=impl))
-      return o[:, None], state
-
+      o, _ = dense_attention(cfg, layer, q, positions, state.k, state.v, implementation=impl)
+      return o, state
     if q.shape[1] != 1:
-      raise ValueError(f"a ring-form streaming state takes one token per step, got a chunk of {q.shape[1]}")
+      raise ValueError(f"streaming decodes one token per step after finish_prefill, got a chunk of {q.shape[1]}")
     pos = positions[:, 0]
     slots = ring_slot(positions, sinks=self.sinks, window=self.window)
     state = state.replace(k=write_tokens(state.k, layer, k, slots), v=write_tokens(state.v, layer, v, slots))
     q1 = q[:, 0]
     if not self.dense_layers:
-      return self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=True, impl=impl)[:, None], state
+      return self._window_attention(cfg, layer, q1, pos, state.k, state.v, impl=impl)[:, None], state
+    dense = is_dense_layer(layer, self.dense_layers)
     # Index of `layer` among dense_layers; len(dense_layers) (out of range: the write is
     # dropped) when it is not a dense layer.
     dense_ids = jnp.asarray(self.dense_layers, jnp.int32)
@@ -217,7 +211,7 @@ class StreamingLLM(AttentionPolicy):
         dense,
         lambda: _decode_dense(cfg, layer, jnp.minimum(slot, len(self.dense_layers) - 1), q1, pos,
                               state.dense_k, state.dense_v, impl),
-        lambda: self._window_attention(cfg, layer, q1, pos, state.k, state.v, ring=True, impl=impl))
+        lambda: self._window_attention(cfg, layer, q1, pos, state.k, state.v, impl=impl))
     return o[:, None], state
 
   def _window_attention(
@@ -226,15 +220,14 @@ class StreamingLLM(AttentionPolicy):
       layer,  # [] int32
       q,  # [batch, num_heads, head_dim]
       pos,  # [batch] int32
-      k_cache,  # [layers, batch, kv_heads, capacity or sinks + window, head_dim]
-      v_cache,  # same as k_cache
+      k_ring,  # [layers, batch, kv_heads, sinks + window, head_dim]
+      v_ring,  # same as k_ring
       *,
-      ring: bool,
       impl: str,
   ):
     """Attention over the sinks and the window: o [batch, num_heads, head_dim] f32."""
-    ranges = streaming_ranges(pos, layer_window(cfg, layer), sinks=self.sinks, window=self.window, ring=ring)
-    parts = [ops.partial_attention(q, k_cache, v_cache, end, starts=start, layer=layer, scale=cfg.attn_scale,
+    ranges = streaming_ranges(pos, layer_window(cfg, layer), sinks=self.sinks, window=self.window)
+    parts = [ops.partial_attention(q, k_ring, v_ring, end, starts=start, layer=layer, scale=cfg.attn_scale,
                                    implementation=impl)
              for start, end in ranges]
     o, _ = ops.merge_partials(parts)
@@ -242,24 +235,17 @@ class StreamingLLM(AttentionPolicy):
 
 
 @functools.partial(jax.jit, static_argnames=("sinks", "window", "dense_layers"))
-def _to_ring(
-    state: StreamingKVCache,
-    lengths,  # [batch] int32
-    *,
-    sinks: int,
-    window: int,
-    dense_layers: tuple[int, ...],
-) -> StreamingKVCache:
+def _to_ring(state: StreamingKVCache, *, sinks: int, window: int, dense_layers: tuple[int, ...]) -> StreamingKVCache:
   capacity = state.k.shape[3]
-  last = lengths - 1  # [B]
+  last = state.prompt_lengths[:, None] - 1  # [B, 1]
   slots = jnp.arange(sinks + window, dtype=jnp.int32)
   # Latest prompt position held by each slot: sink slot s holds s; window slot s holds the
-  # largest j <= last with j ≡ s (mod window). Slots whose position is not a real prompt
-  # token hold garbage that decode never reads (its ranges cover valid positions only).
-  held = jnp.where(slots < sinks, slots, last[:, None] - (last[:, None] - slots) % window)  # [B, S+W]
+  # largest j <= last with j ≡ s (mod window). A slot whose position is not a prompt token
+  # holds garbage that decode never reads (its ranges cover valid positions only).
+  held = jnp.where(slots < sinks, slots, slots)  # [B, S+W]
   held = jnp.clip(held, 0, capacity - 1)
   batch_ids = jnp.arange(state.k.shape[1])[:, None]
   # Advanced indices on axes 1 and 3 come first: [B, S+W, L, Hkv, D] -> [L, B, Hkv, S+W, D].
   gather = lambda x: jnp.transpose(x[:, batch_ids, :, held, :], (2, 0, 3, 1, 4))
   ids = jnp.asarray(dense_layers, jnp.int32)
-  return StreamingKVCache(k=gather(state.k), v=gather(state.v), dense_k=state.k[ids], dense_v=state.v[ids], ring=True)
+  return state.replace(k=gather(state.k), v=gather(state.v), dense_k=state.k[ids], dense_v=state.v[ids], ring=True)

@@ -1,0 +1,165 @@
+"""The host side of the `freekv` policy: a page store, the recall callback and its counters.
+
+`FreeKVRuntime` owns a host_index.HostContext of kind "flat" used only as a head-major page
+store (no index is built or searched): store index i of (seq, layer) is absolute position
+sinks + i, and store page j covers store indices j*P .. j*P + P - 1. It is registered in
+kvjax.host_runtime under an int id carried in the policy state, as the retrieval runtime is.
+
+The jitted step decides everything (selection, which pages are missing, which slots they go
+to); the callback only (1) appends the token leaving the device window and (2) copies the
+requested pages out of the store. Errors follow kvjax.host_runtime: logged, a nonzero status
+returned with zero pages, raised by `raise_errors()` after the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+
+import numpy as np
+
+import host_index
+from kvjax import host_runtime
+
+
+@dataclasses.dataclass
+class FreeKVStats:
+  """Per-run counters, summed over layers, sequences and steps.
+
+  Attributes:
+    callbacks: callbacks run (one per sparse layer per decode step).
+    decided_heads: (layer, seq, kv head, step) where the correction test ran (speculative
+      mode, every step after a layer's first).
+    corrected_heads: of those, heads corrected synchronously.
+    reused_pages: pages of the previous step's selection, over decided heads.
+    reused_hits: of those, pages still in the current query's selection.
+    sync_pages: pages recalled before attention (corrections; every recall without
+      speculation): on the critical path.
+    spec_pages: pages recalled for the next step's speculative selection.
+    page_bytes: bytes of one recalled page, K and V together, in the storage dtype.
+    callback_bytes: bytes the callbacks' static outputs carried (PCIe traffic whatever the count).
+    inserted_tokens: tokens appended to the store during decode.
+    insert_seconds, fetch_seconds, callback_seconds: host wall time inside callbacks.
+  """
+
+  callbacks: int = 0
+  decided_heads: int = 0
+  corrected_heads: int = 0
+  reused_pages: int = 0
+  reused_hits: int = 0
+  sync_pages: int = 0
+  spec_pages: int = 0
+  page_bytes: int = 0
+  callback_bytes: int = 0
+  inserted_tokens: int = 0
+  insert_seconds: float = 0.0
+  fetch_seconds: float = 0.0
+  callback_seconds: float = 0.0
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+class FreeKVRuntime:
+  """One run's host page store, recall settings, counters and error log."""
+
+  def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int):
+    """Wraps `context` and registers the runtime.
+
+    Args:
+      context: the store (kind "flat"; its page_size must equal `page_size`).
+      sinks: device-resident first tokens; store index 0 is position `sinks`.
+      page_size: tokens per page.
+      sync_recall: how many leading entries of each fetch list are recalled before attention
+        (the rest prepare the next step); only used to split the counters.
+    """
+    self.context = context
+    self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
+    self.stats = FreeKVStats()
+    self.errors: list[str] = []
+    self.id = host_runtime.register(self)
+
+  def close(self) -> None:
+    host_runtime.unregister(self.id)
+
+  def raise_errors(self) -> None:
+    if self.errors:
+      first = self.errors[0]
+      self.errors.clear()
+      raise RuntimeError(f"freekv host callback failed: {first}")
+
+  def decode_layer(self, layer: int, evicted_k, evicted_v, evicted_pos, fetch_ids, counters):
+    """Appends each sequence's evicted token, then copies the requested pages.
+
+    Args:
+      layer: the layer.
+      evicted_k, evicted_v: [B, Hkv, D] the token leaving the device window.
+      evicted_pos: [B] int32 its absolute position, -1 where no token leaves.
+      fetch_ids: [B, Hkv, R] int32 store page ids to copy, -1 for none.
+      counters: [B, Hkv, 4] int32 per head: (decided, corrected, reused, hits).
+
+    Returns:
+      pages_k, pages_v: [B, Hkv, R, page_size, D] in the storage dtype (zeros where id < 0).
+    """
+    t0 = time.perf_counter()
+    for b in np.flatnonzero(evicted_pos >= 0):
+      start = int(evicted_pos[b]) - self.sinks
+      # append skips what is stored already: a repeated call is harmless.
+      self.stats.inserted_tokens += self.context.append(int(b), layer, start, evicted_k[b][:, None],
+                                                        evicted_v[b][:, None])
+    t1 = time.perf_counter()
+    B, H, R = fetch_ids.shape
+    store = self.context.store
+    shape = (B, H, R, self.page_size, store.head_dim)
+    dtype = np.uint16 if store.dtype == "bfloat16" else np.dtype(store.dtype)  # bf16 as its bits
+    pages_k, pages_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    for b in range(B):
+      want = fetch_ids[b] >= 0  # [H, R]
+      if not want.any():
+        continue
+      heads, cols = np.nonzero(want)
+      k, v = self.context.fetch_pages(b, layer, heads, fetch_ids[b][want])
+      pages_k[b, heads, cols], pages_v[b, heads, cols] = k, v
+      sync = cols < self.sync_recall
+      self.stats.sync_pages += int(sync.sum())
+      self.stats.spec_pages += int((~sync).sum())
+    t2 = time.perf_counter()
+    decided = counters[..., 0] > 0
+    self.stats.decided_heads += int(decided.sum())
+    self.stats.corrected_heads += int((counters[..., 1] * decided).sum())
+    self.stats.reused_pages += int((counters[..., 2] * decided).sum())
+    self.stats.reused_hits += int((counters[..., 3] * decided).sum())
+    self.stats.page_bytes = 2 * self.page_size * store.head_dim * store.itemsize
+    self.stats.callback_bytes += pages_k.nbytes + pages_v.nbytes
+    self.stats.insert_seconds += t1 - t0
+    self.stats.fetch_seconds += t2 - t1
+    return pages_k, pages_v
+
+
+def recall_callback(runtime_id, layer, evicted_k, evicted_v, evicted_pos, fetch_ids, counters, *, page_size,
+                    out_dtype):
+  """The function `jax.pure_callback` calls; returns (pages_k, pages_v, status), never raises.
+
+  `page_size` and `out_dtype` (the device dtype, e.g. bfloat16) are bound with
+  functools.partial: they fix the output shape when the runtime cannot be found.
+  """
+  t0 = time.perf_counter()
+  B, H, R = fetch_ids.shape
+  shape = (B, H, R, page_size, evicted_k.shape[-1])
+  runtime = host_runtime.lookup(runtime_id)
+  if runtime is None:
+    zeros = np.zeros(shape, out_dtype)
+    return zeros, zeros, np.int32(host_runtime.STATUS_UNKNOWN_CONTEXT)
+  try:
+    k, v = runtime.decode_layer(int(layer), np.asarray(evicted_k), np.asarray(evicted_v),
+                                np.asarray(evicted_pos), np.asarray(fetch_ids), np.asarray(counters))
+    k, v = k.view(out_dtype), v.view(out_dtype)  # bfloat16 travels as its uint16 bits
+    status = host_runtime.STATUS_OK
+  except Exception:  # reported after the step by raise_errors(), never raised in XLA
+    runtime.errors.append(traceback.format_exc(limit=4))
+    k = v = np.zeros(shape, out_dtype)
+    status = host_runtime.STATUS_HOST_ERROR
+  runtime.stats.callbacks += 1
+  runtime.stats.callback_seconds += time.perf_counter() - t0
+  return k, v, np.int32(status)

@@ -1,0 +1,550 @@
+"""`freekv` (FreeKV, ICLR 2026): page selection from device summaries, the full KV on the host,
+only missing pages recalled, speculative reuse of the previous step's pages with per-KV-head
+correction.
+
+Layout. Positions < `sinks` and the most recent ones stay in a device ring ([L, B, Hkv,
+sinks + window + page_size, D]); every older position p lives in the host store
+(host_index.HostContext, kind "flat", used as a head-major page store: store index
+p - sinks, store page j = positions sinks + j*P .. sinks + j*P + P - 1). The device holds,
+per layer, the min/max key of every store page ([L, B, Hkv, max_pages, D]) and a pool of
+n_sel = (budget - sinks - window) / page_size page slots per (layer, seq, KV head)
+([L, B, Hkv, n_sel, P, D] keys and values, plus the store page in each slot).
+
+Prefill is dense (as in FreeKV); `finish_prefill` fills the rings, appends the prompt's
+middle to the host store and computes its page summaries from the dense cache. Decode, per
+sparse layer and step at position p:
+
+  * the token at p - window leaves the window: it is read from its ring slot, folded into its
+    page's min/max, and handed to the layer's single host callback, which appends it. A page
+    becomes a candidate once complete. The ring keeps window + page_size tokens so the page
+    being filled (and the one that completed this step) is still attended from the ring:
+    the device attends to positions [sinks + C*P, p] there, C = complete pages before this
+    step's eviction (window + 1 .. window + page_size tokens; so at most budget + page_size
+    tokens are attended in all).
+  * scores: per KV head, page j scores Σ_d max(q_d·max_d, q_d·min_d) (times the model's
+    attention scale) for every query head of the group; a softmax over the C candidates per
+    query head, then the mean over the group (group-consistent selection); top n_sel pages.
+  * without speculation: select with the current query, recall the missing pages (into the
+    slots of the lowest-scoring resident pages not selected) and attend.
+  * with speculation: heads whose group-mean cos(q_t, q_{t-1}) >= tau attend to the pages
+    selected at the previous step (already resident); the others are corrected (select +
+    recall for q_t before attending; every head on a layer's first step; tau = 1 corrects
+    every head, the exactness check). After attention, the selection for the next step
+    (q_t over the candidates complete after this step's eviction) is made and its missing
+    pages recalled.
+
+Recall path (chosen: the simplest correct one). Selection, the missing-page lists and the slot
+of each recalled page are computed on the device; the one `jax.pure_callback` per sparse
+layer per step appends the evicted token and returns the requested pages with static shapes
+[B, Hkv, R, P, D] (K and V) with R = max_recall (non-speculative) or 2 * max_recall (the
+correction's pages, then the next step's), -1 ids meaning "none"; then a dynamic scatter puts
+them into the pool. The correction's pages are attended straight from the callback output
+(merged by LSE with the ring and the resident pages), so a speculative head's attention does
+not depend on the recall in data-flow terms. If more than max_recall pages are missing, the
+rest wait for later steps and the step attends to the resident part of its selection.
+
+PCIe bytes per step: device->host 2·B·Hkv·D·itemsize per sparse layer (the evicted token)
+plus the small id/counter arrays; host->device the callback's whole static output,
+2·B·Hkv·R·P·D·itemsize per sparse layer whatever the number of pages actually missing (for
+Llama-3-8B shapes, bf16, defaults, speculative: 8 MiB per layer and sequence, 256 MiB per
+token, ≈ 40 ms at the measured 6 GB/s of callback outputs; `max_recall` bounds it). The
+stats report both the bytes of the pages really recalled and the bytes the callbacks carried.
+
+Not done: the `pinned_host` asynchronous copy path of DESIGN.md (consequence 5), which would
+move only the missing pages and overlap device work; host threads that prepare the next
+step's recall between callbacks (the callback does the copy in line); a pool only for the
+sparse layers (pools and summaries exist for every layer, dense ones unused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import host_index
+import ops
+from kvjax import freekv_host
+from kvjax import host_runtime
+from kvjax.policies.base import AttentionPolicy
+from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
+from kvjax.policies.retrieval import _rings_from_dense
+from models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class FreeKVState:
+  ring_k: jax.Array  # [L, B, Hkv, sinks + window + page_size, D]
+  ring_v: jax.Array  # [L, B, Hkv, sinks + window + page_size, D]
+  kmax: jax.Array  # [L, B, Hkv, max_pages, D]: per store page max of the keys
+  kmin: jax.Array  # [L, B, Hkv, max_pages, D]: per store page min of the keys
+  pool_k: jax.Array  # [L, B, Hkv, n_sel, page_size, D]: recalled pages
+  pool_v: jax.Array  # [L, B, Hkv, n_sel, page_size, D]
+  pool_ids: jax.Array  # [L, B, Hkv, n_sel] int32: store page in each slot, -1 empty
+  selection: jax.Array  # [L, B, Hkv, n_sel] int32: pages to reuse at the next step, -1 padded
+  prev_q: jax.Array  # [L, B, Hq, D] float32: the previous step's query
+  primed: jax.Array  # [L] bool: the layer has decoded a step (its selection is valid)
+  dense: DenseKVCache  # [n_dense, B, Hkv, capacity, D]: every layer during prefill, dense layers after
+  prompt_lengths: jax.Array  # [B] int32
+  runtime_id: jax.Array  # [] int32: key of the FreeKVRuntime in kvjax.host_runtime
+  status: jax.Array  # [] int32: worst host callback status so far (0 = ok)
+  decoding: bool = flax.struct.field(pytree_node=False, default=False)  # set by finish_prefill
+
+
+# -- selection and recall planning (pure jnp, per layer) -------------------------------------
+
+
+def page_scores(
+    q,  # [B, Hq, D] unscaled
+    kmax,  # [B, Hkv, N, D]
+    kmin,  # [B, Hkv, N, D]
+    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
+    *,
+    scale: float,
+):
+  """Group-pooled page scores [B, Hkv, N] float32; -inf for non-candidates.
+
+  Per query head: softmax over the candidates of scale · Σ_d max(q_d·max_d, q_d·min_d); then
+  the mean over the GQA group of each KV head.
+  """
+  B, Hq, D = q.shape
+  _, H, N, _ = kmax.shape
+  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  hp = jax.lax.Precision.HIGHEST
+  # Σ_d max(q_d·max_d, q_d·min_d) = relu(q)·max + min(q, 0)·min (max_d >= min_d).
+  s = (jnp.einsum("BHGD,BHND->BHGN", jnp.maximum(qg, 0), kmax.astype(jnp.float32), precision=hp)
+       + jnp.einsum("BHGD,BHND->BHGN", jnp.minimum(qg, 0), kmin.astype(jnp.float32), precision=hp)) * scale
+  cand = jnp.arange(N)[None, :] < num_candidates[:, None]  # [B, N]
+  mask = cand[:, None, None, :]
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  e = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+  probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+  return jnp.where(cand[:, None, :], jnp.mean(probs, axis=2), -jnp.inf)
+
+
+def top_pages(
+    pooled,  # [B, Hkv, N] float32, -inf for non-candidates
+    n_sel: int,
+):
+  """The n_sel best candidates per (seq, KV head), best first: [B, Hkv, n_sel] int32, -1 padded."""
+  N = pooled.shape[-1]
+  k = min(n_sel, N)
+  vals, idx = jax.lax.top_k(pooled, k)
+  ids = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
+  if k < n_sel:
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, n_sel - k)), constant_values=-1)
+  return ids
+
+
+def _member(
+    items,  # [B, H, a] int32, -1 = none
+    pages,  # [B, H, b] int32, -1 = none
+):
+  """[B, H, a] bool: items[..., i] >= 0 and listed in pages."""
+  hit = (items[..., :, None] == pages[..., None, :]) & (pages[..., None, :] >= 0)
+  return jnp.any(hit, axis=-1) & (items >= 0)
+
+
+def plan_recall(
+    pool_ids,  # [B, H, n] int32: store page per slot, -1 empty
+    wanted,  # [B, H, m] int32: pages that must be resident, best first, -1 padded (m <= n)
+    pooled,  # [B, H, N] float32: current scores (eviction order)
+    max_recall: int,
+):
+  """Which missing pages to fetch and which slots they replace.
+
+  Missing = wanted and not resident, in `wanted` order, at most max_recall. Each goes to a
+  slot not holding a wanted page: empty slots first, then the resident page with the lowest
+  score (pages that are no candidate any more before all).
+
+  Returns:
+    fetch_ids [B, H, max_recall] int32 (compact, -1 padded), fetch_slots [B, H, max_recall]
+    int32 (n where nothing is fetched), and the pool's page ids afterwards [B, H, n].
+  """
+  B, H, n = pool_ids.shape
+  missing = (wanted >= 0) & ~_member(wanted, pool_ids)  # [B, H, m]
+  rank = jnp.cumsum(missing, axis=-1) - 1
+  take = missing & (rank < max_recall)
+  bh = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None])
+  fetch_ids = jnp.full((B, H, max_recall), -1, jnp.int32).at[
+      bh + (jnp.where(take, rank, max_recall),)].set(wanted, mode="drop")
+  score = jnp.take_along_axis(pooled, jnp.maximum(pool_ids, 0), axis=-1)  # [B, H, n]
+  prio = jnp.where(pool_ids < 0, -2.0, jnp.where(jnp.isfinite(score), score, -1.0))
+  prio = jnp.where(_member(pool_ids, wanted), 2.0, prio)  # softmax scores lie in [0, 1]
+  order = jnp.argsort(prio, axis=-1, stable=True)  # [B, H, n]: eviction order
+  # There are >= (missing count) unprotected slots, since len(wanted) <= n.
+  fetch_slots = jnp.where(fetch_ids >= 0, order[..., :max_recall], n).astype(jnp.int32)
+  new_ids = pool_ids.at[bh + (fetch_slots,)].set(fetch_ids, mode="drop")
+  return fetch_ids, fetch_slots, new_ids
+
+
+def listed_slots(
+    pool_ids,  # [B, H, n] int32
+    selection,  # [B, H, m] int32, -1 padded
+):
+  """Slots holding a selected page, ascending and compact: ([B, H, n] int32, counts [B, H] int32)."""
+  B, H, n = pool_ids.shape
+  member = _member(pool_ids, selection)
+  rank = jnp.cumsum(member, axis=-1) - 1
+  bh = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None])
+  slots = jnp.zeros((B, H, n), jnp.int32).at[bh + (jnp.where(member, rank, n),)].set(
+      jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, H, n)), mode="drop")
+  return slots, jnp.sum(member, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages"))
+def _prompt_summaries(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    *,
+    sinks: int,
+    page_size: int,
+    num_pages: int,
+):
+  """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; 0 for empty pages."""
+  B, H, cap, D = k.shape
+  need = sinks + num_pages * page_size
+  if need > cap:
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - cap), (0, 0)))
+  pages = k[:, :, sinks:need].reshape(B, H, num_pages, page_size, D)
+  idx = jnp.arange(num_pages * page_size).reshape(num_pages, page_size)
+  valid = (idx[None] < host_len[:, None, None])[:, None, :, :, None]  # [B, 1, N, P, 1]
+  hi = jnp.max(jnp.where(valid, pages, -jnp.inf), axis=3)
+  lo = jnp.min(jnp.where(valid, pages, jnp.inf), axis=3)
+  some = jnp.any(valid, axis=3)
+  return jnp.where(some, lo, 0).astype(k.dtype), jnp.where(some, hi, 0).astype(k.dtype)
+
+
+# -- the policy ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeKVAttention(AttentionPolicy):
+  """FreeKV; see the module docstring.
+
+  Attributes:
+    budget: tokens attended per step, counted as sinks + window + n_sel · page_size (the page
+      being filled rides on top of the window: up to page_size - 1 more tokens).
+    page_size: tokens per page; divides sinks, window and budget.
+    sinks: first tokens kept on the device.
+    window: most recent tokens kept on the device.
+    speculative: reuse the previous step's pages, correcting heads whose group-mean cosine
+      similarity of consecutive queries is below tau.
+    tau: correction threshold in [0, 1]; 1 corrects every head.
+    max_recall: most pages recalled per (seq, KV head) per phase and step (None: n_sel).
+    dense_layers: layers attended densely on the device (sliding-window layers always are).
+    implementation: device kernels, "auto" | "pallas" | "xla".
+  """
+
+  budget: int = 2048
+  page_size: int = 32
+  sinks: int = 512
+  window: int = 512
+  speculative: bool = True
+  tau: float = 0.8
+  max_recall: int | None = None
+  dense_layers: tuple[int, ...] = (0,)
+  implementation: str = "auto"
+  name: str = "freekv"
+
+  def __post_init__(self):
+    for field, low in (("budget", 1), ("page_size", 1), ("sinks", 0), ("window", 1)):
+      value = getattr(self, field)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{field}={value!r} must be an int >= {low}")
+    for field in ("sinks", "window", "budget"):
+      if getattr(self, field) % self.page_size:
+        raise ValueError(f"page_size={self.page_size} must divide {field}={getattr(self, field)}")
+    if self.budget <= self.sinks + self.window:
+      raise ValueError(f"budget={self.budget} must exceed sinks ({self.sinks}) + window ({self.window}): "
+                       "it leaves no page to select")
+    if not isinstance(self.speculative, (bool, np.bool_)):
+      raise ValueError(f"speculative={self.speculative!r} must be a bool")
+    if not (isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0):
+      raise ValueError(f"tau={self.tau!r} must lie in [0, 1]")
+    if self.max_recall is not None and not (
+        isinstance(self.max_recall, (int, np.integer)) and 1 <= self.max_recall <= self.n_sel):
+      raise ValueError(f"max_recall={self.max_recall!r} must be an int in [1, n_sel={self.n_sel}]")
+    try:
+      dense = tuple(sorted(set(int(l) for l in self.dense_layers)))
+    except TypeError:
+      raise ValueError(f"dense_layers={self.dense_layers!r} must be a sequence of layer ids") from None
+    if any(l < 0 for l in dense):
+      raise ValueError(f"dense_layers={self.dense_layers!r} must be non-negative layer ids")
+    object.__setattr__(self, "dense_layers", dense)
+    object.__setattr__(self, "tau", float(self.tau))
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError(f"implementation={self.implementation!r}; expected auto, pallas or xla")
+
+  @property
+  def n_sel(self) -> int:
+    """Pages selected per (seq, KV head)."""
+    return (self.budget - self.sinks - self.window) // self.page_size
+
+  @property
+  def recall(self) -> int:
+    return self.n_sel if self.max_recall is None else int(self.max_recall)
+
+  def describe(self) -> str:
+    spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
+    dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
+    return (f"freekv(budget={self.budget} tokens = sinks {self.sinks} + window {self.window} + {self.n_sel} "
+            f"pages of {self.page_size}, {spec}, max_recall {self.recall}{dense})")
+
+  # -- layout ----------------------------------------------------------------------------
+
+  def dense_layer_ids(self, cfg: ModelConfig) -> tuple[int, ...]:
+    bad = [l for l in self.dense_layers if l >= cfg.num_layers]
+    if bad:
+      raise ValueError(f"dense_layers {bad} out of range for {cfg.num_layers} layers")
+    local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
+    return tuple(sorted(set(self.dense_layers) | set(local)))
+
+  def _dense_slot(self, cfg: ModelConfig, layer):
+    """Index of `layer` in the decode-time dense cache, -1 for a sparse layer."""
+    table = np.full(cfg.num_layers, -1, np.int32)
+    for i, l in enumerate(self.dense_layer_ids(cfg)):
+      table[l] = i
+    return jnp.asarray(table)[layer]
+
+  def _paged_impl(self) -> str:
+    impl = resolve_implementation(self.implementation)
+    p = self.page_size
+    # The Pallas paged kernel needs page_size a power of two >= 16.
+    return impl if p >= 16 and p & (p - 1) == 0 else "xla"
+
+  # -- state and lifecycle -----------------------------------------------------------------
+
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FreeKVState:
+    L, H, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    S, W, P, n = self.sinks, self.window, self.page_size, self.n_sel
+    sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
+    num_pages = max(1, -(-(capacity - S) // P))
+    context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
+    runtime = freekv_host.FreeKVRuntime(context, sinks=S, page_size=P, sync_recall=self.recall)
+    runtime.sparse_layers = sparse
+    ring = (L, batch, H, S + W + P, D)
+    pages = (L, batch, H, num_pages, D)
+    pool = (L, batch, H, n, P, D)
+    return FreeKVState(
+        ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
+        kmax=jnp.zeros(pages, dtype), kmin=jnp.zeros(pages, dtype),
+        pool_k=jnp.zeros(pool, dtype), pool_v=jnp.zeros(pool, dtype),
+        pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
+        prev_q=jnp.zeros((L, batch, Hq, D), jnp.float32), primed=jnp.zeros((L,), bool),
+        dense=DenseKVCache(k=jnp.zeros((L, batch, H, capacity, D), dtype),
+                           v=jnp.zeros((L, batch, H, capacity, D), dtype)),
+        prompt_lengths=jnp.zeros((batch,), jnp.int32),
+        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
+
+  def begin_prefill(self, cfg, state: FreeKVState, prompt_lengths) -> FreeKVState:
+    return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
+
+  def runtime(self, state: FreeKVState) -> freekv_host.FreeKVRuntime | None:
+    return host_runtime.lookup(int(state.runtime_id))
+
+  def check(self, state: FreeKVState) -> None:
+    runtime = self.runtime(state)
+    if runtime is None:
+      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
+    runtime.raise_errors()
+    if int(state.status) != host_runtime.STATUS_OK:
+      raise RuntimeError(f"freekv host callback returned status {int(state.status)}")
+
+  def release_fn(self, state: FreeKVState):
+    runtime = self.runtime(state)
+    return runtime.close if runtime is not None else (lambda: None)
+
+  def stats(self, state: FreeKVState) -> dict:
+    """Speculation and recall counters of the run so far (see FreeKVStats)."""
+    runtime = self.runtime(state)
+    if runtime is None:
+      return {}
+    s = runtime.stats
+    steps = s.callbacks // max(1, runtime.sparse_layers)
+    per_step = lambda x: x / steps if steps else float("nan")
+    ratio = lambda a, b: a / b if b else float("nan")
+    recalled = s.sync_pages + s.spec_pages
+    return dict(
+        decode_steps=steps,
+        correction_rate=ratio(s.corrected_heads, s.decided_heads),
+        hit_rate=ratio(s.reused_hits, s.reused_pages),
+        recalled_pages_per_step=per_step(recalled),
+        sync_recalled_pages_per_step=per_step(s.sync_pages),
+        recalled_bytes_per_step=per_step(recalled * s.page_bytes),
+        callback_bytes_per_step=per_step(s.callback_bytes),
+        **{f"host_{k}": v for k, v in s.as_dict().items()})
+
+  def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:
+    """Fills the rings, offloads the prompt's middle to the host and summarizes its pages."""
+    lengths = np.asarray(state.prompt_lengths)
+    S, W, P = self.sinks, self.window, self.page_size
+    context = self.runtime(state).context
+    ring_k, ring_v = _rings_from_dense(state.dense.k, state.dense.v, jnp.asarray(lengths), S, W + P)
+    dense_ids = self.dense_layer_ids(cfg)
+    host_len = np.maximum(lengths.astype(np.int64) - W - S, 0)
+    num_pages = state.kmax.shape[3]
+    kmin, kmax = [], []
+    for layer in range(cfg.num_layers):
+      if layer in dense_ids:
+        kmin.append(jnp.zeros_like(state.kmin[layer]))
+        kmax.append(jnp.zeros_like(state.kmax[layer]))
+        continue
+      for b, n in enumerate(host_len):
+        if n:
+          context.append(b, layer, 0, np.asarray(state.dense.k[layer, b, :, S:S + n]),
+                         np.asarray(state.dense.v[layer, b, :, S:S + n]))
+      lo, hi = _prompt_summaries(state.dense.k[layer], jnp.asarray(host_len, jnp.int32), sinks=S, page_size=P,
+                                 num_pages=num_pages)
+      kmin.append(lo)
+      kmax.append(hi)
+      if on_progress is not None:
+        on_progress(layer + 1, cfg.num_layers)
+    ids = jnp.asarray(dense_ids, jnp.int32)
+    return state.replace(ring_k=ring_k, ring_v=ring_v, kmin=jnp.stack(kmin), kmax=jnp.stack(kmax),
+                         dense=DenseKVCache(k=state.dense.k[ids], v=state.dense.v[ids]), decoding=True)
+
+  # -- attention -------------------------------------------------------------------------
+
+  def attend(self, cfg, layer, q, k, v, positions, state: FreeKVState):
+    if not state.decoding:
+      return self._prefill(cfg, layer, q, k, v, positions, state)
+    if q.shape[1] != 1:
+      raise ValueError(f"freekv decodes one token per step after finish_prefill, got a chunk of {q.shape[1]}")
+    if not self.dense_layer_ids(cfg):
+      return self._sparse(cfg, layer, q, k, v, positions, state)
+    slot = self._dense_slot(cfg, layer)
+    return jax.lax.cond(slot >= 0,
+                        lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
+                        lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
+
+  def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
+    dense = DenseKVCache(k=write_tokens(state.dense.k, layer, k, positions),
+                         v=write_tokens(state.dense.v, layer, v, positions))
+    o, _ = dense_attention(cfg, layer, q, positions, dense.k, dense.v, implementation="xla")
+    return o, state.replace(dense=dense)
+
+  def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: FreeKVState):
+    dense = DenseKVCache(k=write_tokens(state.dense.k, slot, k, positions),
+                         v=write_tokens(state.dense.v, slot, v, positions))
+    o, _ = dense_attention(cfg, slot, q, positions, dense.k, dense.v,
+                           implementation=resolve_implementation(self.implementation),
+                           window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
+    return o.astype(jnp.float32), state.replace(dense=dense)
+
+  def _sparse(
+      self,
+      cfg: ModelConfig,
+      layer,  # [] int32
+      q,  # [B, 1, Hq, D]
+      k,  # [B, 1, Hkv, D]
+      v,  # [B, 1, Hkv, D]
+      positions,  # [B, 1] int32
+      state: FreeKVState,
+  ):
+    S, W, P, n, R = self.sinks, self.window, self.page_size, self.n_sel, self.recall
+    ring_len = W + P  # recent part of the ring
+    B, _, Hq, D = q.shape
+    H = k.shape[2]
+    N = state.kmax.shape[3]
+    b = jnp.arange(B, dtype=jnp.int32)
+    pos = positions[:, 0]
+    q0 = q[:, 0]  # [B, Hq, D]
+    impl = resolve_implementation(self.implementation)
+
+    # Ring: the token leaving the window (p - W) sits in another slot than the new one.
+    slot = jnp.where(pos < S, pos, S + (pos - S) % ring_len)
+    ev_pos = pos - W
+    has_ev = ev_pos >= S
+    ev_slot = S + (ev_pos - S) % ring_len
+    ev_k = state.ring_k[layer, b, :, ev_slot]  # [B, H, D]
+    ev_v = state.ring_v[layer, b, :, ev_slot]
+    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
+    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
+
+    # Fold the evicted key into its page's min/max (a running summary; the page becomes a
+    # candidate once complete).
+    ev_idx = ev_pos - S
+    ev_page = jnp.where(has_ev, ev_idx // P, N)  # N: dropped
+    first = (ev_idx % P == 0)[:, None, None]
+    old_hi = state.kmax[layer, b, :, jnp.minimum(ev_page, N - 1)]
+    old_lo = state.kmin[layer, b, :, jnp.minimum(ev_page, N - 1)]
+    kmax = state.kmax.at[layer, b, :, ev_page].set(jnp.where(first, ev_k, jnp.maximum(old_hi, ev_k)), mode="drop")
+    kmin = state.kmin.at[layer, b, :, ev_page].set(jnp.where(first, ev_k, jnp.minimum(old_lo, ev_k)), mode="drop")
+
+    c_prev = jnp.maximum(pos - W - S, 0) // P  # complete pages before this step's eviction
+    c_now = jnp.maximum(pos - W - S + 1, 0) // P  # ... and after it
+    pooled_now = page_scores(q0, kmax[layer], kmin[layer], c_prev, scale=cfg.attn_scale)
+    sel_now = top_pages(pooled_now, n)  # [B, H, n]
+    prev_sel = state.selection[layer]
+    primed = state.primed[layer]
+    reused = jnp.sum(prev_sel >= 0, axis=-1)
+    hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
+
+    pool_ids = state.pool_ids[layer]
+    if self.speculative:
+      q32, p32 = q0.astype(jnp.float32), state.prev_q[layer]
+      cos = jnp.sum(q32 * p32, -1) / jnp.maximum(jnp.linalg.norm(q32, axis=-1) * jnp.linalg.norm(p32, axis=-1), 1e-30)
+      group_cos = jnp.mean(cos.reshape(B, H, Hq // H), axis=-1)  # [B, H]
+      correct = ~primed | (group_cos < self.tau) | (self.tau >= 1.0)
+      sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
+      wanted_now = jnp.where(correct[..., None], sel_now, -1)
+    else:
+      correct = jnp.ones((B, H), bool)
+      sel_cur = wanted_now = sel_now
+    fetch_a, slots_a, pool_ids_a = plan_recall(pool_ids, wanted_now, pooled_now, R)
+    fetch, new_ids = fetch_a, pool_ids_a
+    if self.speculative:
+      # The next step's selection: q_t over the pages complete after this step's eviction.
+      pooled_next = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
+      sel_next = top_pages(pooled_next, n)
+      fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
+      fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
+
+    counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, jnp.broadcast_to(reused, (B, H)),
+                          jnp.broadcast_to(hits, (B, H))], axis=-1).astype(jnp.int32)
+    dtype = state.pool_k.dtype
+    out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, D), dtype)
+    callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(dtype))
+    pages_k, pages_v, status = jax.pure_callback(
+        callback, (out, out, jax.ShapeDtypeStruct((), jnp.int32)), state.runtime_id, layer, ev_k, ev_v,
+        jnp.where(has_ev, ev_pos, -1), fetch, counters, vmap_method="sequential")
+
+    # Attention: ring (two intervals of the circular recent part, the sinks joined to the
+    # wrapped one) + resident selected pages + the pages recalled for a correction.
+    local_start = S + c_prev * P
+    count = jnp.maximum(pos + 1 - local_start, 0)
+    a = (local_start - S) % ring_len
+    ring1 = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
+                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
+    ring2 = ops.partial_attention(q0, ring_k, ring_v,
+                                  jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
+                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
+    slots, counts = listed_slots(pool_ids, sel_cur)
+    resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
+                                           scale=cfg.attn_scale, implementation=self._paged_impl())
+    recalled = ops.paged_partial_attention(
+        q0, pages_k[:, :, :R], pages_v[:, :, :R], jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (B, H, R)),
+        jnp.sum(fetch_a >= 0, axis=-1).astype(jnp.int32), scale=cfg.attn_scale, implementation=self._paged_impl())
+    o, _ = ops.merge_partials([ring1, ring2, resident, recalled])
+
+    # Pool update (after attention in data-flow terms): the correction's pages, then the next
+    # step's (which may replace a page just recalled: the later write wins).
+    idx = (layer, b[:, None, None], jnp.arange(H)[None, :, None])
+    pool_k = state.pool_k.at[idx + (slots_a,)].set(pages_k[:, :, :R], mode="drop")
+    pool_v = state.pool_v.at[idx + (slots_a,)].set(pages_v[:, :, :R], mode="drop")
+    if self.speculative:
+      pool_k = pool_k.at[idx + (slots_b,)].set(pages_k[:, :, R:], mode="drop")
+      pool_v = pool_v.at[idx + (slots_b,)].set(pages_v[:, :, R:], mode="drop")
+    state = state.replace(
+        ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin, pool_k=pool_k, pool_v=pool_v,
+        pool_ids=state.pool_ids.at[layer].set(new_ids),
+        selection=state.selection.at[layer].set(sel_next if self.speculative else sel_now),
+        prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
+        primed=state.primed.at[layer].set(True), status=jnp.maximum(state.status, status))
+    return o[:, None], state

@@ -1,0 +1,138 @@
+"""`retrieval`: exact when the budget covers the context, one host callback per layer and
+step, evicted tokens stay retrievable, host errors surface after the step."""
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import host_runtime
+from kvjax.policies import RetrievalAttention
+from test_generate import random_prompt, tiny_model
+
+SMALL = dict(sinks=4, window=8)
+STEPS = 24  # > window: tokens leave the device window during decode
+
+
+def run(model, prompt, **options):
+  return kvjax.generate(model, prompt, max_new_tokens=STEPS, prefill_chunk=16, return_logits=True,
+                        policy="retrieval" if options else "full", policy_options=options or None)
+
+
+@pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("graph", {}), ("ivf", {"ef": 10_000})])
+def test_equals_full_when_topk_covers_the_context(index, extra):
+  model = tiny_model("llama")
+  prompt = random_prompt(53)
+  full = run(model, prompt)
+  sparse = run(model, prompt, index=index, topk=500, **SMALL, **extra)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.tokens == full.tokens
+
+
+def test_equals_full_with_dense_and_local_layers():
+  model = tiny_model("gemma3")  # layer 0 is a sliding-window layer, attended densely
+  prompt = random_prompt(40, seed=3)
+  full = run(model, prompt)
+  sparse = run(model, prompt, index="flat", topk=500, **SMALL)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  llama = tiny_model("llama")
+  full = run(llama, prompt)
+  sparse = run(llama, prompt, index="flat", topk=500, dense_layers=(0,), **SMALL)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_small_topk_is_an_approximation():
+  model = tiny_model("llama")
+  prompt = random_prompt(60, seed=4)
+  full = run(model, prompt)
+  sparse = run(model, prompt, index="flat", topk=2, **SMALL)
+  assert np.isfinite(sparse.logits).all()
+  assert np.abs(sparse.logits - full.logits).max() > 1e-3
+
+
+def test_one_callback_per_retrieval_layer_per_step_and_no_token_lost(monkeypatch):
+  seen = []
+  original = host_runtime.HostRuntime.decode_layer
+
+  def spy(self, layer, *args):
+    seen.append((self, layer))
+    return original(self, layer, *args)
+
+  monkeypatch.setattr(host_runtime.HostRuntime, "decode_layer", spy)
+  model = tiny_model("llama")
+  prompt = random_prompt(30, seed=5)
+  steps = 20
+  kvjax.generate(model, prompt, max_new_tokens=steps, prefill_chunk=16, policy="retrieval",
+                 policy_options=dict(index="flat", dense_layers=(1,), **SMALL))
+  decode_steps = steps - 1  # the first token comes from the prefill
+  assert [layer for _, layer in seen] == [0] * decode_steps  # layer 1 is dense: no callback
+  runtime = seen[-1][0]
+  # Host tokens: positions [sinks, last fed position - window] are all in the store and index.
+  last_fed = len(prompt) + decode_steps - 1
+  expected = last_fed - SMALL["window"] - SMALL["sinks"] + 1
+  assert runtime.context.store.length(0, 0) == expected
+  assert runtime.context.index(0, 0, 0).__len__() == expected
+
+
+def test_host_error_is_raised_after_the_step(monkeypatch):
+  def broken(self, *args):
+    raise OSError("disk on fire")
+
+  monkeypatch.setattr(host_runtime.HostRuntime, "decode_layer", broken)
+  with pytest.raises(RuntimeError, match="disk on fire"):
+    run(tiny_model("llama"), random_prompt(30), index="flat", **SMALL)
+
+
+def test_runtime_is_released_after_generate():
+  before = set(host_runtime._RUNTIMES)
+  run(tiny_model("llama"), random_prompt(20), index="flat", **SMALL)
+  assert set(host_runtime._RUNTIMES) == before
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(index="hnsw"), "index="),
+    (dict(topk=0), "topk=0"),
+    (dict(window=0), "window=0"),
+    (dict(sinks=-1), "sinks=-1"),
+    (dict(ef=0), "ef=0"),
+])
+def test_bad_options(options, message):
+  with pytest.raises(ValueError, match=message):
+    RetrievalAttention(**options)
+
+
+def test_dense_layer_out_of_range():
+  with pytest.raises(ValueError, match="dense_layers"):
+    run(tiny_model("llama"), random_prompt(20), index="flat", dense_layers=(7,), **SMALL)
+
+
+@pytest.mark.parametrize("index", ["flat", "roar"])
+def test_speculative_with_tau_one_equals_non_speculative(index):
+  model = tiny_model("llama")
+  prompt = random_prompt(60, seed=6)
+  plain = run(model, prompt, index=index, topk=5, **SMALL)
+  spec = run(model, prompt, index=index, topk=5, speculative=True, tau=1.0, **SMALL)
+  np.testing.assert_allclose(spec.logits, plain.logits, rtol=1e-4, atol=1e-4)
+  assert spec.tokens == plain.tokens
+  assert spec.policy_stats["correction_rate"] == 1.0
+
+
+def test_speculative_reuse_is_exact_when_topk_covers_the_context():
+  model = tiny_model("llama")
+  prompt = random_prompt(53, seed=7)
+  full = run(model, prompt)
+  spec = run(model, prompt, index="flat", topk=500, speculative=True, tau=0.0, **SMALL)
+  # tau 0 corrects only groups whose queries turned by more than 90 degrees (random weights do
+  # that); the others reuse the previous search plus the newly evicted token, losing nothing.
+  np.testing.assert_allclose(spec.logits, full.logits, rtol=1e-4, atol=1e-4)
+  stats = spec.policy_stats
+  assert stats["speculated_groups"] > 0
+  assert stats["hit_rate"] == 1.0
+
+
+def test_speculative_small_topk_reports_rates():
+  model = tiny_model("llama")
+  spec = run(model, random_prompt(80, seed=8), index="flat", topk=4, speculative=True, tau=0.5, **SMALL)
+  stats = spec.policy_stats
+  assert 0.0 <= stats["correction_rate"] <= 1.0
+  assert 0.0 <= stats["hit_rate"] <= 1.0
+  assert stats["callbacks"] == (STEPS - 1) * model.cfg.num_layers
