@@ -64,7 +64,8 @@ class FreeKVStats:
 class FreeKVRuntime:
   """One run's host page store, recall settings, counters and error log."""
 
-  def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int):
+  def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int,
+               sparse_layers: int):
     """Wraps `context` and registers the runtime.
 
     Args:
@@ -73,9 +74,11 @@ class FreeKVRuntime:
       page_size: tokens per page.
       sync_recall: how many leading entries of each fetch list are recalled before attention
         (the rest prepare the next step); only used to split the counters.
+      sparse_layers: layers that call back each step (turns callbacks into steps).
     """
     self.context = context
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
+    self.sparse_layers = sparse_layers
     self.stats = FreeKVStats()
     self.errors: list[str] = []
     self.id = host_runtime.register(self)

@@ -4,7 +4,7 @@
 """
 
 from models.config import ModelConfig, RopeScaling, param_shapes
-from models.decoder import embed, forward_hidden, logits_from_hidden, rms_norm
+from models.decoder import embed, forward_hidden, logits_from_hidden, rms_norm, unstack_layers
 from models.rope import apply_rope, rope_tables
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "param_shapes",
     "rms_norm",
     "rope_tables",
+    "unstack_layers",
 ]

@@ -5,7 +5,7 @@ Attention is injected: the decoder computes q, k, v (after QK-norm and RoPE) and
 
     out, state = attention_fn(layer, q, k, v, positions, state)
 
-    layer      int32 scalar (traced under lax.scan)
+    layer      int32 scalar, traced under lax.scan (a Python int when the layers are unrolled)
     q          [batch, seq, num_heads, head_dim]
     k, v       [batch, seq, num_kv_heads, head_dim]
     positions  [batch, seq] int32 absolute positions
@@ -16,6 +16,13 @@ The policy receives its whole state rather than one layer's slice: a slice taken
 written back by `lax.scan` copies it every layer, while a policy that indexes its own
 layer-stacked buffers updates them in place (a dense KV cache at 128K is 16 GiB).
 The query is not pre-scaled; the policy applies `cfg.attn_scale`.
+
+Layer loop: with layer-stacked weights (`params["layers"]` a dict of [L, ...] arrays) the
+layers run under `lax.scan`, which compiles one layer body. Under `lax.scan` XLA hands each
+layer's weights to the matmuls as a slice it first copies out of the stacked buffer, which
+doubles the weight traffic of a memory-bound decode step; `unstack_layers` turns the weights
+into a list of per-layer dicts, and the decoder then unrolls the layers in Python (static
+layer ids, weights read in place) at the cost of a longer compile.
 """
 
 from __future__ import annotations
@@ -113,9 +120,25 @@ def forward_hidden(
     x = x + _mlp_block(cfg, lp, x)
     return (x, state), None
 
-  layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-  (x, state), _ = jax.lax.scan(layer_step, (x, attention_state), (params["layers"], layer_ids, inv_freqs, factors))
+  if isinstance(params["layers"], (list, tuple)):  # unstacked: unrolled, weights read in place
+    carry = (x, attention_state)
+    for layer, lp in enumerate(params["layers"]):
+      carry, _ = layer_step(carry, (lp, layer, inv_freqs[layer], factors[layer]))
+    x, state = carry
+  else:
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, state), _ = jax.lax.scan(layer_step, (x, attention_state),
+                                 (params["layers"], layer_ids, inv_freqs, factors))
   return rms_norm(x, params["final_norm"], cfg.norm_eps), state
+
+
+def unstack_layers(params):
+  """Layer-stacked params -> the same params with "layers" a list of per-layer dicts."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return params
+  count = jax.tree.leaves(layers)[0].shape[0]
+  return dict(params, layers=[jax.tree.map(lambda w, i=i: w[i], layers) for i in range(count)])
 
 
 def logits_from_hidden(params, cfg: ModelConfig, hidden):  # hidden [..., hidden] -> [..., vocab] f32

@@ -114,3 +114,14 @@ def test_rope_scaling_extends_the_context():
       RopeScaling(kind="linear", factor=2.0, original_max_position=256)))
   result = kvjax.generate(scaled, random_prompt(300), max_new_tokens=3, prefill_chunk=128)
   assert len(result.tokens[0]) == 3
+
+
+def test_unrolled_layers_equal_scanned_layers():
+  from models.decoder import unstack_layers
+
+  model = tiny_model("gemma3")
+  unrolled = dataclasses.replace(model, params=unstack_layers(model.params))
+  prompt = random_prompt(21)
+  a = kvjax.generate(model, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
+  b = kvjax.generate(unrolled, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
+  np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)

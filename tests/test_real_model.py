@@ -41,3 +41,29 @@ def test_decode_cli_refuses_inapplicable_flag():
                         capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode != 0
   assert "--index does not apply to --policy=full" in proc.stderr
+
+
+PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+
+
+@pytest.fixture(scope="module")
+def passkey_prompts():
+  return [kvjax.passkey_prompt(num_sentences=300, depth=d, seed=i) for i, d in enumerate(PASSKEY_DEPTHS)]
+
+
+@pytest.fixture(scope="module")
+def full_answers(smollm2, passkey_prompts):
+  result = kvjax.generate(smollm2, [p.text for p in passkey_prompts], max_new_tokens=12)
+  return [p.passkey in text for p, text in zip(passkey_prompts, result.texts)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(index="roar", topk=100),
+    dict(index="roar", topk=100, speculative=True, tau=0.8),
+])
+def test_retrieval_finds_the_pass_key_wherever_full_does(smollm2, passkey_prompts, full_answers, options):
+  assert any(full_answers), "full attention itself misses every pass key: the prompt is broken"
+  result = kvjax.generate(smollm2, [p.text for p in passkey_prompts], max_new_tokens=12, policy="retrieval",
+                          policy_options=options)
+  found = [p.passkey in text for p, text in zip(passkey_prompts, result.texts)]
+  assert all(f for f, ok in zip(found, full_answers) if ok), (found, full_answers, result.texts)

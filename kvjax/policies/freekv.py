@@ -45,10 +45,11 @@ rest wait for later steps and the step attends to the resident part of its selec
 
 PCIe bytes per step: device->host 2·B·Hkv·D·itemsize per sparse layer (the evicted token)
 plus the small id/counter arrays; host->device the callback's whole static output,
-2·B·Hkv·R·P·D·itemsize per sparse layer whatever the number of pages actually missing (for
-Llama-3-8B shapes, bf16, defaults, speculative: 8 MiB per layer and sequence, 256 MiB per
-token, ≈ 40 ms at the measured 6 GB/s of callback outputs; `max_recall` bounds it). The
-stats report both the bytes of the pages really recalled and the bytes the callbacks carried.
+2·B·Hkv·R·P·D·itemsize per sparse layer (R as above) whatever the number of pages actually
+missing. For Llama-3-8B shapes, bf16 and the defaults with speculation that is 8 MiB per layer
+and sequence, 256 MiB per token, ≈ 45 ms at the measured 6 GB/s of callback outputs (half
+without speculation); `max_recall` bounds it. The stats report both the bytes of the pages
+really recalled and the bytes the callbacks carried.
 
 Not done: the `pinned_host` asynchronous copy path of DESIGN.md (consequence 5), which would
 move only the missing pages and overlap device work; host threads that prepare the next
@@ -326,8 +327,7 @@ class FreeKVAttention(AttentionPolicy):
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
     num_pages = max(1, -(-(capacity - S) // P))
     context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
-    runtime = freekv_host.FreeKVRuntime(context, sinks=S, page_size=P, sync_recall=self.recall)
-    runtime.sparse_layers = sparse
+    runtime = freekv_host.FreeKVRuntime(context, sinks=S, page_size=P, sync_recall=self.recall, sparse_layers=sparse)
     ring = (L, batch, H, S + W + P, D)
     pages = (L, batch, H, num_pages, D)
     pool = (L, batch, H, n, P, D)

@@ -242,9 +242,12 @@ class QuestAttention(AttentionPolicy):
     # The current page is the last listed one and may be partial (its tail holds no token
     # yet, or prefill padding): the paged kernel takes whole pages, so it gets the complete
     # pages and partial_attention the current one.
+    paged_impl = impl
+    if self.implementation == "auto" and (p < 16 or p & (p - 1)):
+      paged_impl = "xla"  # the Pallas paged kernel takes power-of-two pages of >= 16 tokens
     whole = ops.paged_partial_attention(
         q, state.k.reshape(paged), state.v.reshape(paged), page_ids, counts - 1, layer=layer,
-        scale=cfg.attn_scale, implementation=impl)
+        scale=cfg.attn_scale, implementation=paged_impl)
     current = ops.partial_attention(
         q, state.k, state.v, pos + 1, starts=(pos // p) * p, layer=layer, scale=cfg.attn_scale,
         implementation=impl)

@@ -242,7 +242,7 @@ def _to_ring(state: StreamingKVCache, *, sinks: int, window: int, dense_layers: 
   # Latest prompt position held by each slot: sink slot s holds s; window slot s holds the
   # largest j <= last with j ≡ s (mod window). A slot whose position is not a prompt token
   # holds garbage that decode never reads (its ranges cover valid positions only).
-  held = jnp.where(slots < sinks, slots, slots)  # [B, S+W]
+  held = jnp.where(slots < sinks, slots, last - (last - slots) % window)  # [B, S+W]
   held = jnp.clip(held, 0, capacity - 1)
   batch_ids = jnp.arange(state.k.shape[1])[:, None]
   # Advanced indices on axes 1 and 3 come first: [B, S+W, L, Hkv, D] -> [L, B, Hkv, S+W, D].

@@ -1,0 +1,32 @@
+"""kvjax's host side: a CPU KV store, per-head ANN indexes and host partial attention.
+
+The compute lives in C (host_index._core, OpenMP, GIL released); this package
+validates arguments and owns the object model. It imports nothing from
+kvjax, models or ops.
+
+Public API:
+  build_index(keys, *, kind, ...) -> Index   standalone index over [N, D] keys
+  Index.search / insert / len                 one API for flat, ivf, graph, roar
+  KVStore                                     per (seq, layer) head-major K/V store
+  HostContext                                 store + per-(seq, layer, head) indexes:
+                                              build_layer, insert, attend, fetch_pages,
+                                              save / load
+"""
+
+from host_index._context import HostContext
+from host_index._index import DEFAULT_PARAMS
+from host_index._index import Index
+from host_index._index import build_index
+from host_index._persist import CorruptFileError
+from host_index._store import KVStore
+from host_index._store import StoreFullError
+
+__all__ = [
+    "CorruptFileError",
+    "DEFAULT_PARAMS",
+    "HostContext",
+    "Index",
+    "KVStore",
+    "StoreFullError",
+    "build_index",
+]

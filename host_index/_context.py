@@ -1,0 +1,283 @@
+"""HostContext: the host side of one context — a KVStore plus one index per
+(sequence, layer, head) over that store's keys, host partial attention, and
+the FreeKV page path.
+
+Index heads: `roar` keeps one index per query head (its training queries differ
+within a GQA group); flat/ivf/graph keep one per KV head, shared by the G =
+Hq / Hkv query heads of its group (query head h reads KV head h // G). Every
+index covers store indices 0..len(index)-1 of its (seq, layer); `insert`
+appends to the store and extends the indexes, `append` only stores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from host_index import _core
+from host_index import _dtypes
+from host_index import _index
+from host_index._store import KVStore
+
+
+class StoreKeys:
+    """Key source of an index: one KV head of one (seq, layer) of a KVStore."""
+
+    def __init__(self, store: KVStore, seq: int, layer: int, head: int):
+        self.store, self.seq, self.layer, self.head = store, seq, layer, head
+
+    def view(self):
+        """(K [Hkv, cap, D], dtype code, head, cap, length) for the C core."""
+        k, _, n = self.store.buffers(self.seq, self.layer)
+        return k, self.store.code, self.head, k.shape[1], n
+
+
+class HostContext:
+    """Store + per-(seq, layer, head) indexes for one batch of contexts.
+
+    Thread safety: `attend` may run in one thread while another thread calls
+    `insert`/`append`/`build_layer` on the same or other (seq, layer)s: every
+    search sees each index as of the store length it read when the call
+    started (later tokens are ignored, never half-read). Two concurrent
+    mutations of the same (seq, layer) (insert vs build_layer) must be ordered
+    by the caller; mutations of different (seq, layer)s need no locking.
+    """
+
+    def __init__(self, num_seqs: int, num_layers: int, num_q_heads: int, num_kv_heads: int,
+                 head_dim: int, *, dtype: str = "float16", kind: str = "roar",
+                 index_params: dict | None = None, max_bytes: int | None = None,
+                 page_size: int = 32, seed: int = 0):
+        """Creates an empty context.
+
+        Args:
+            num_seqs, num_layers, num_q_heads, num_kv_heads, head_dim: cache
+                shape; num_q_heads must be a multiple of num_kv_heads.
+            dtype: K/V storage dtype, "float16" | "bfloat16" | "float32".
+            kind: index kind, "flat" | "ivf" | "graph" | "roar".
+            index_params: per-kind parameters (see host_index.DEFAULT_PARAMS).
+            max_bytes: cap on the store's K/V bytes (indexes are reported in
+                `nbytes` but not capped).
+            page_size: FreeKV page size in tokens.
+            seed: index build seed.
+        """
+        _dtypes.positive_int(num_q_heads, "num_q_heads")
+        _dtypes.positive_int(num_kv_heads, "num_kv_heads")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+        self.store = KVStore(num_seqs, num_layers, num_kv_heads, head_dim, dtype=dtype,
+                             max_bytes=max_bytes, page_size=page_size)
+        self.num_q_heads = int(num_q_heads)
+        self.group = self.num_q_heads // self.store.num_kv_heads
+        self.kind = kind
+        self.index_params = _index.resolve_params(kind, dict(index_params or {}))
+        self.seed = _dtypes.positive_int(seed, "seed", allow_zero=True)
+        self.per_q_head = kind == "roar"
+        self.index_heads = self.num_q_heads if self.per_q_head else self.store.num_kv_heads
+        self.meta: dict = {}
+        S, L = self.store.num_seqs, self.store.num_layers
+        # [seq][layer] -> tuple of Index, one per index head
+        self._ix = [[tuple(self._new_index(s, l, h) for h in range(self.index_heads))
+                     for l in range(L)] for s in range(S)]
+
+    def _new_index(self, seq, layer, head):
+        kv = head // self.group if self.per_q_head else head
+        return _index.Index(self.kind, self.store.head_dim, StoreKeys(self.store, seq, layer, kv),
+                            seed=self.seed, **self.index_params)
+
+    # -- accessors -----------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return self.store.num_seqs
+
+    @property
+    def num_layers(self) -> int:
+        return self.store.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.store.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.store.head_dim
+
+    def index(self, seq: int, layer: int, head: int) -> _index.Index:
+        """The index of (seq, layer, head); head is a query head for roar, else a KV head."""
+        self.store._check(seq, layer)
+        if not 0 <= head < self.index_heads:
+            raise ValueError(f"head={head} out of range [0, {self.index_heads})")
+        return self._ix[seq][layer][head]
+
+    def indexed(self, seq: int, layer: int) -> int:
+        """Tokens of (seq, layer) covered by its indexes."""
+        self.store._check(seq, layer)
+        return min(len(ix) for ix in self._ix[seq][layer])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the store's K/V arrays plus every index structure."""
+        return self.store.nbytes + sum(ix._c.nbytes for per_s in self._ix for per_l in per_s
+                                       for ix in per_l)
+
+    # -- mutation --------------------------------------------------------------
+
+    def append(self, seq: int, layer: int, start: int, keys, values, *, threads=None) -> int:
+        """Stores tokens without indexing them (prefill, before build_layer).
+
+        See KVStore.append; returns the number of new tokens.
+        """
+        return self.store.append(seq, layer, start, keys, values, threads=threads)
+
+    def build_layer(self, layer: int, *, seqs=None, train_queries=None, train_topk=None,
+                    threads: int | None = None) -> None:
+        """(Re)builds every index of one layer over all stored tokens.
+
+        Heads are built one after another, each with all threads (the builds
+        are parallel inside), so one call keeps every core busy.
+
+        Args:
+            layer: the layer.
+            seqs: sequence ids (default: all).
+            train_queries: roar only: [len(seqs), Hq, M, D] prefill queries.
+            train_topk: roar only: [len(seqs), Hq, M, N_q] int, each training
+                query's exact top keys by inner product (store indices, best
+                first, -1 padded), e.g. computed on the device.
+        """
+        seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
+        for name, arr, nd in (("train_queries", train_queries, 4), ("train_topk", train_topk, 4)):
+            if arr is None:
+                continue
+            if not self.per_q_head:
+                raise ValueError(f"{name} does not apply to kind={self.kind!r}")
+            shape = np.shape(arr)
+            if len(shape) != nd or shape[0] != len(seqs) or shape[1] != self.num_q_heads:
+                raise ValueError(f"{name} shape {shape} must start with "
+                                 f"[{len(seqs)} seqs, {self.num_q_heads} q heads]")
+        for si, s in enumerate(seqs):
+            n = self.store.length(s, layer)
+            for h, ix in enumerate(self._ix[s][layer]):
+                ix.build(n, train_queries=None if train_queries is None else train_queries[si][h],
+                         train_topk=None if train_topk is None else train_topk[si][h],
+                         threads=threads)
+
+    def insert(self, seq: int, layer: int, start: int, keys, values, *, queries=None,
+               threads=None) -> int:
+        """Stores tokens and adds them to every index of (seq, layer).
+
+        Args:
+            start: store index of the first token (overlap skipped, gap = error).
+            keys, values: [Hkv, n, D].
+            queries: [Hq, n, D] or None: each token's own query; roar links a
+                new key through it (its training query); other kinds ignore it.
+
+        Returns:
+            The number of new tokens stored.
+        """
+        q = None
+        if queries is not None:
+            q = _dtypes.as_f32(queries, "queries", ndim=3, dim=self.head_dim)
+            if q.shape[0] != self.num_q_heads or q.shape[1] != np.shape(keys)[1]:
+                raise ValueError(f"queries {q.shape} must be [{self.num_q_heads}, n, D] with n "
+                                 f"= {np.shape(keys)[1]}")
+        new = self.store.append(seq, layer, start, keys, values, threads=threads)
+        total = self.store.length(seq, layer)
+        for h, ix in enumerate(self._ix[seq][layer]):
+            have = len(ix)
+            if have < start:  # tokens appended earlier without queries
+                ix.extend(start, threads=threads)
+                have = start
+            qh = None
+            if q is not None and self.per_q_head and have < total:
+                qh = np.ascontiguousarray(q[h, have - start:total - start])
+            ix.extend(total, queries=qh, threads=threads)
+        return new
+
+    # -- compute ---------------------------------------------------------------
+
+    def attend(self, layer: int, queries, *, k: int, ef: int | None = None,
+               scale: float | None = None, seqs=None, return_ids: bool = False,
+               threads: int | None = None):
+        """Host partial attention of one layer for all query heads, in one C call.
+
+        For each (b, h): search the head's index for the top-k keys by q.k,
+        then softmax(scale * q.k) over them and the weighted sum of their values.
+
+        Args:
+            layer: the layer.
+            queries: [B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite.
+            k: keys retrieved per query head (>= 0).
+            ef: search effort (graph/roar candidate list, ivf nprobe).
+            scale: score scale (default head_dim ** -0.5).
+            seqs: [B] sequence ids (default 0..B-1).
+            return_ids: also return the retrieved store indices.
+            threads: OpenMP threads (default: all).
+
+        Returns:
+            o [B, Hq, D] float32 normalized over the retrieved set, lse [B, Hq]
+            float32 (natural log of sum exp(scale * q.k); -inf with o = 0 when
+            nothing is retrieved), scanned [B, Hq] int64, and with return_ids,
+            ids [B, Hq, k] int64 (-1 padded).
+        """
+        q = _dtypes.as_f32(queries, "queries", ndim=3, dim=self.head_dim)
+        B = q.shape[0]
+        if q.shape[1] != self.num_q_heads:
+            raise ValueError(f"queries {q.shape} must be [B, {self.num_q_heads}, {self.head_dim}]")
+        seqs = list(range(B)) if seqs is None else [int(s) for s in seqs]
+        if len(seqs) != B:
+            raise ValueError(f"{len(seqs)} seqs for {B} query rows")
+        if B == 0:
+            raise ValueError("queries has no rows")
+        for s in seqs:
+            self.store._check(s, layer)
+        k = _dtypes.positive_int(k, "k", allow_zero=True)
+        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
+        scale = self.head_dim ** -0.5 if scale is None else float(scale)
+        if not np.isfinite(scale):
+            raise ValueError(f"scale={scale} must be finite")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        bufs = [self.store.buffers(s, layer) for s in seqs]
+        ixs = tuple(ix._c for s in seqs for ix in self._ix[s][layer])
+        o = np.empty(q.shape, np.float32)
+        lse = np.empty(q.shape[:2], np.float32)
+        scanned = np.empty(q.shape[:2], np.int64)
+        ids = np.empty(q.shape[:2] + (k,), np.int64) if return_ids else None
+        _core.attend(ixs, tuple(b[0] for b in bufs), tuple(b[1] for b in bufs),
+                     tuple(b[0].shape[1] for b in bufs), tuple(b[2] for b in bufs),
+                     self.store.code, self.num_kv_heads, self.head_dim, q, B, self.num_q_heads,
+                     self.per_q_head, k, ef, scale, o, lse, scanned, ids, nthreads)
+        return (o, lse, scanned, ids) if return_ids else (o, lse, scanned)
+
+    def fetch_pages(self, seq: int, layer: int, kv_heads, page_ids, *, out_k=None, out_v=None,
+                    threads=None):
+        """FreeKV recall: copies pages of K and V; see KVStore.fetch_pages."""
+        return self.store.fetch_pages(seq, layer, kv_heads, page_ids, out_k=out_k, out_v=out_v,
+                                      threads=threads)
+
+    # -- persistence -------------------------------------------------------------
+
+    def save(self, path, *, meta: dict | None = None) -> None:
+        """Writes the store and every index to one checksummed file, atomically.
+
+        meta: JSON-serializable identity of the context (e.g. model name,
+        config hash, dtype), returned as `.meta` by `load` and checked by its
+        `expect_meta`.
+        """
+        from host_index import _saveload
+        _saveload.save_context(self, path, dict(meta if meta is not None else self.meta))
+
+    @classmethod
+    def load(cls, path, *, expect_meta: dict | None = None,
+             max_bytes: int | None = None) -> "HostContext":
+        """Reads a file written by `save`.
+
+        Args:
+            expect_meta: entries that must equal the saved meta (e.g. the model
+                identity): a mismatch raises ValueError.
+            max_bytes: store cap for the loaded context.
+
+        Raises:
+            CorruptFileError (a ValueError): foreign, truncated or corrupt file.
+            ValueError: expect_meta mismatch.
+        """
+        from host_index import _saveload
+        return _saveload.load_context(cls, path, expect_meta, max_bytes)

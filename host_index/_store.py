@@ -1,0 +1,260 @@
+"""KVStore: host-resident keys and values, per (sequence, layer), head-major.
+
+Each (seq, layer) holds two arrays [Hkv, cap, D] in the storage dtype (float32,
+float16, or bfloat16 held as uint16 bits): every (seq, layer, kv head) is one
+contiguous [cap, D] block (FreeKV's "HND" layout), so a page of 32 consecutive
+tokens of one head is one contiguous copy. Tokens are addressed by their store
+index 0..length-1; what a store index means (which absolute position) is the
+caller's business.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from host_index import _core
+from host_index import _dtypes
+
+
+class StoreFullError(MemoryError):
+    """An append would take the store past its max_bytes; nothing was written."""
+
+
+class KVStore:
+    """Appendable host K/V store with memory accounting and an optional cap.
+
+    Thread safety: appends are serialized by an internal lock. Readers (C
+    searches/attention through a HostContext) may run concurrently with
+    appends: an append that grows an array replaces it, and a reader holding
+    the old array keeps reading valid data below the length it was given.
+    """
+
+    def __init__(self, num_seqs: int, num_layers: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: str = "float16", max_bytes: int | None = None, page_size: int = 32):
+        """Creates an empty store.
+
+        Args:
+            num_seqs, num_layers, num_kv_heads, head_dim: shape of the cache.
+            dtype: storage dtype, "float16" | "bfloat16" | "float32".
+            max_bytes: cap on the bytes of all K/V arrays (None: no cap).
+            page_size: capacity is rounded up to whole pages (FreeKV's unit).
+        """
+        self.num_seqs = _dtypes.positive_int(num_seqs, "num_seqs")
+        self.num_layers = _dtypes.positive_int(num_layers, "num_layers")
+        self.num_kv_heads = _dtypes.positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = _dtypes.positive_int(head_dim, "head_dim")
+        if self.head_dim > 2048:
+            raise ValueError(f"head_dim={head_dim} must be <= 2048")
+        self.dtype = dtype
+        self.code = _dtypes.code_of(dtype)
+        self.page_size = _dtypes.positive_int(page_size, "page_size")
+        self.max_bytes = None if max_bytes is None else _dtypes.positive_int(
+            max_bytes, "max_bytes", allow_zero=True)
+        npdt = _dtypes.STORAGE[self.code]
+        empty = lambda: np.empty((self.num_kv_heads, 0, self.head_dim), npdt)
+        # [seq][layer] -> [Hkv, cap, D]
+        self._k = [[empty() for _ in range(num_layers)] for _ in range(num_seqs)]
+        self._v = [[empty() for _ in range(num_layers)] for _ in range(num_seqs)]
+        self._len = np.zeros((num_seqs, num_layers), np.int64)
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        self.meta: dict = {}
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.code == _dtypes.F32 else 2
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for all K/V arrays (capacity, not just length)."""
+        return self._nbytes
+
+    def _check(self, seq, layer):
+        if not (isinstance(seq, (int, np.integer)) and 0 <= seq < self.num_seqs):
+            raise ValueError(f"seq={seq!r} out of range [0, {self.num_seqs})")
+        if not (isinstance(layer, (int, np.integer)) and 0 <= layer < self.num_layers):
+            raise ValueError(f"layer={layer!r} out of range [0, {self.num_layers})")
+
+    def length(self, seq: int, layer: int) -> int:
+        """Tokens stored for (seq, layer)."""
+        self._check(seq, layer)
+        return int(self._len[seq, layer])
+
+    def capacity(self, seq: int, layer: int) -> int:
+        self._check(seq, layer)
+        return self._k[seq][layer].shape[1]
+
+    def buffers(self, seq: int, layer: int):
+        """(K [Hkv, cap, D], V [Hkv, cap, D], length) in the storage dtype; rows
+        at or past length are unspecified."""
+        self._check(seq, layer)
+        # One read of the pair under the lock so K and V match in capacity.
+        with self._lock:
+            return self._k[seq][layer], self._v[seq][layer], int(self._len[seq, layer])
+
+    def _as_float(self, a: np.ndarray) -> np.ndarray:
+        if self.code != _dtypes.BF16:
+            return a.astype(np.float32)
+        return (a.astype(np.uint32) << 16).view(np.float32)
+
+    def keys(self, seq: int, layer: int) -> np.ndarray:
+        """Copy of the stored keys as float32 [Hkv, length, D]."""
+        k, _, n = self.buffers(seq, layer)
+        return self._as_float(k[:, :n])
+
+    def values(self, seq: int, layer: int) -> np.ndarray:
+        """Copy of the stored values as float32 [Hkv, length, D]."""
+        _, v, n = self.buffers(seq, layer)
+        return self._as_float(v[:, :n])
+
+    def _round(self, n: int) -> int:
+        p = self.page_size
+        return -(-n // p) * p
+
+    def reserve(self, seq: int, layer: int, n: int) -> None:
+        """Grows (seq, layer) to hold at least n tokens (e.g. before a prefill).
+
+        Raises:
+            StoreFullError: the growth would cross max_bytes (nothing changes).
+        """
+        self._check(seq, layer)
+        with self._lock:
+            self._grow(seq, layer, self._round(_dtypes.positive_int(n, "n", allow_zero=True)))
+
+    def _grow(self, seq, layer, cap):
+        """Reallocates (seq, layer) to capacity cap; caller holds the lock."""
+        old_k, old_v = self._k[seq][layer], self._v[seq][layer]
+        old_cap = old_k.shape[1]
+        if cap <= old_cap:
+            return
+        delta = 2 * (cap - old_cap) * self.num_kv_heads * self.head_dim * self.itemsize
+        if self.max_bytes is not None and self._nbytes + delta > self.max_bytes:
+            raise StoreFullError(
+                f"growing seq={seq} layer={layer} to {cap} tokens needs {delta} more bytes: "
+                f"{self._nbytes} + {delta} > max_bytes={self.max_bytes}")
+        n = int(self._len[seq, layer])
+        shape = (self.num_kv_heads, cap, self.head_dim)
+        k = np.empty(shape, old_k.dtype)
+        v = np.empty(shape, old_v.dtype)
+        k[:, :n] = old_k[:, :n]
+        v[:, :n] = old_v[:, :n]
+        self._k[seq][layer], self._v[seq][layer] = k, v
+        self._nbytes += delta
+
+    def append(self, seq: int, layer: int, start: int, keys, values, *,
+               threads: int | None = None) -> int:
+        """Stores keys/values for store indices start .. start + n - 1.
+
+        The part that overlaps what is already stored is skipped, so repeating
+        a call is harmless; a gap (start > length) is an error. Validation and
+        the capacity check happen before anything is written.
+
+        Args:
+            seq, layer: which cache.
+            start: store index of the first token in keys/values.
+            keys, values: [Hkv, n, D] float32/float16/bfloat16, finite.
+            threads: OpenMP threads for the conversion (default: all).
+
+        Returns:
+            The number of new tokens stored.
+
+        Raises:
+            ValueError / TypeError: bad shape, dtype, start, NaN/inf, or a value
+                out of the storage dtype's range.
+            StoreFullError: max_bytes would be crossed.
+        """
+        self._check(seq, layer)
+        start = _dtypes.positive_int(start, "start", allow_zero=True)
+        k, kc = _dtypes.as_c_array(keys, "keys", ndim=3)
+        v, vc = _dtypes.as_c_array(values, "values", ndim=3)
+        want = (self.num_kv_heads, k.shape[1], self.head_dim)
+        if k.shape != want or v.shape != want:
+            raise ValueError(f"keys {k.shape} and values {v.shape} must both be "
+                             f"[num_kv_heads, n, head_dim] = {want}")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        n = k.shape[1]
+        with self._lock:
+            length = int(self._len[seq, layer])
+            if start > length:
+                raise ValueError(f"start={start} leaves a gap after the {length} stored tokens "
+                                 f"of seq={seq} layer={layer}")
+            skip = length - start
+            if skip >= n:
+                return 0
+            new = n - skip
+            # Reject bad values before touching the store (nothing half-written).
+            for name, a, c in (("keys", k, kc), ("values", v, vc)):
+                part = np.ascontiguousarray(a[:, skip:]) if skip else a
+                if _core.count_bad(part, c, self.code, self.num_kv_heads * new * self.head_dim):
+                    raise ValueError(f"{name}: contains NaN/inf or values out of "
+                                     f"{self.dtype} range")
+            cap = self._k[seq][layer].shape[1]
+            if length + new > cap:
+                need = self._round(length + new)
+                grown = self._round(max(need, cap + cap // 2))
+                try:
+                    self._grow(seq, layer, grown)
+                except StoreFullError:
+                    self._grow(seq, layer, need)  # amortized growth won't fit: exact
+                cap = self._k[seq][layer].shape[1]
+            D = self.head_dim
+            for a, c, dst in ((k, kc, self._k[seq][layer]), (v, vc, self._v[seq][layer])):
+                _core.convert(a, c, skip * D, n * D, dst, self.code, length * D, cap * D,
+                              self.num_kv_heads, new * D, nthreads)
+            self._len[seq, layer] = length + new
+            return new
+
+    def save(self, path, *, meta: dict | None = None) -> None:
+        """Writes the store to one checksummed file, atomically (see HostContext.save)."""
+        from host_index import _saveload
+        _saveload.save_store(self, path, dict(meta or {}))
+
+    @classmethod
+    def load(cls, path, *, expect_meta: dict | None = None,
+             max_bytes: int | None = None) -> "KVStore":
+        """Reads a file written by `save`; raises CorruptFileError (a ValueError)
+        on a foreign, truncated or corrupt file."""
+        from host_index import _saveload
+        return _saveload.load_store(cls, path, expect_meta, max_bytes)
+
+    def fetch_pages(self, seq: int, layer: int, kv_heads, page_ids, *, out_k=None, out_v=None,
+                    threads: int | None = None):
+        """Copies pages (page_size consecutive tokens of one head) of K and V.
+
+        Args:
+            kv_heads: [P] int, the head of each page.
+            page_ids: [P] int, page p covers tokens p*page_size .. (p+1)*page_size-1;
+                rows past the stored length are zero-filled.
+            out_k, out_v: optional C-contiguous [P, page_size, D] arrays of the
+                storage dtype (uint16 for bfloat16; e.g. pinned buffers).
+
+        Returns:
+            (out_k, out_v).
+        """
+        self._check(seq, layer)
+        h = _dtypes.as_ids(kv_heads, "kv_heads", ndim=1)
+        p = _dtypes.as_ids(page_ids, "page_ids", ndim=1)
+        if h.shape != p.shape:
+            raise ValueError(f"kv_heads {h.shape} and page_ids {p.shape} differ in length")
+        K, V, n = self.buffers(seq, layer)
+        if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
+            raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
+        npages = -(-n // self.page_size)
+        if p.size and (p.min() < 0 or p.max() >= npages):
+            raise ValueError(f"page_ids must lie in [0, {npages}) for {n} stored tokens")
+        shape = (h.size, self.page_size, self.head_dim)
+        dt = _dtypes.STORAGE[self.code]
+        outs = []
+        for name, o in (("out_k", out_k), ("out_v", out_v)):
+            if o is None:
+                o = np.empty(shape, dt)
+            elif not (isinstance(o, np.ndarray) and o.shape == shape and o.dtype.itemsize == dt.itemsize
+                      and o.flags.c_contiguous and o.flags.writeable):
+                raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}")
+            outs.append(o)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        _core.gather_pages(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
+                           self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
+        return outs[0], outs[1]

@@ -1,0 +1,621 @@
+/* CPython binding of the host_index C core (module host_index._core).
+ *
+ * Arrays cross as buffers (no NumPy C API, so the build needs no numpy
+ * headers). The Python wrapper validates dtypes, shapes and values first;
+ * this layer re-checks every buffer size so no call can read or write out of
+ * bounds, releases the GIL around all computation, and maps hi_err codes to
+ * exceptions. Index methods take the index's rwlock (shared for search,
+ * exclusive for build/insert/restore) after releasing the GIL, so a thread
+ * never blocks on the lock while holding the GIL. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "hi_attend.h"
+#include "hi_index.h"
+#include "hi_kernels.h"
+
+static int raise_err(int err) {
+  switch (err) {
+    case HI_OK: return 0;
+    case HI_ENOMEM: PyErr_NoMemory(); break;
+    case HI_ECONCUR:
+      PyErr_SetString(PyExc_RuntimeError,
+                      "index is larger than the key/value buffer it was given: the store "
+                      "was modified while this call ran; lock appends against searches");
+      break;
+    case HI_ENONFINITE: PyErr_SetString(PyExc_ValueError, "non-finite value"); break;
+    default: PyErr_SetString(PyExc_ValueError, "invalid argument to host_index C core"); break;
+  }
+  return -1;
+}
+
+/* C-contiguous buffer of at least `need` bytes (writable when asked). */
+static int get_buf(PyObject *o, Py_buffer *b, int writable, Py_ssize_t need, const char *what) {
+  if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+    return -1;
+  if (b->len < need) {
+    PyErr_Format(PyExc_ValueError, "%s: buffer has %zd bytes, needs %zd", what, b->len, need);
+    PyBuffer_Release(b);
+    return -1;
+  }
+  return 0;
+}
+
+static int check_dtype(int dtype) {
+  if (dtype == HI_F32 || dtype == HI_F16 || dtype == HI_BF16) return 0;
+  PyErr_Format(PyExc_ValueError, "unknown dtype code %d", dtype);
+  return -1;
+}
+
+/* Keys of one head inside a [H, cap, dim] buffer, of which rows < nrows are
+ * valid. */
+static int keys_view(PyObject *o, Py_buffer *b, int dtype, int dim, Py_ssize_t head,
+                     Py_ssize_t cap, Py_ssize_t nrows, hi_keys_t *kv) {
+  if (check_dtype(dtype) < 0) return -1;
+  if (head < 0 || cap < 0 || dim <= 0 || nrows < 0 || nrows > cap) {
+    PyErr_SetString(PyExc_ValueError, "bad head, capacity, length or dim");
+    return -1;
+  }
+  const Py_ssize_t rowb = (Py_ssize_t)dim * (Py_ssize_t)hi_itemsize(dtype);
+  if (get_buf(o, b, 0, (head + 1) * cap * rowb, "keys") < 0) return -1;
+  kv->base = (const char *)b->buf + head * cap * rowb;
+  kv->dtype = dtype;
+  kv->dim = dim;
+  kv->nrows = nrows;
+  return 0;
+}
+
+/* ---- Index type ---------------------------------------------------------- */
+
+typedef struct {
+  PyObject_HEAD hi_index_t ix;
+  int ready;
+} IndexObject;
+
+static void Index_dealloc(IndexObject *self) {
+  if (self->ready) hi_index_free(&self->ix);
+  Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Index_init(IndexObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"kind", "dim", "M", "ef_construction", "L", "n_q", "n_pivots",
+                           "metric", "alpha", "nlist", "niter", "seed", NULL};
+  int kind, dim, M = 16, efc = 200, L = 100, nq = 100, npv = 1, metric = HI_L2, nlist = 0,
+                 niter = 10;
+  float alpha = 1.f;
+  unsigned long long seed = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiK", kwlist, &kind, &dim, &M, &efc,
+                                   &L, &nq, &npv, &metric, &alpha, &nlist, &niter, &seed))
+    return -1;
+  if (kind < HI_FLAT || kind > HI_ROAR || dim <= 0 || dim > 2048 || M < 1 || M > 256 ||
+      efc < 1 || L < 1 || nq < 1 || npv < 1 || (metric != HI_L2 && metric != HI_IP) ||
+      nlist < 0 || niter < 0 || !(alpha >= 1.f)) {
+    PyErr_SetString(PyExc_ValueError, "invalid index parameters");
+    return -1;
+  }
+  if (self->ready) hi_index_free(&self->ix);
+  hi_params_t p = {.M = M, .ef_construction = efc, .L = L, .n_q = nq, .n_pivots = npv,
+                   .metric = metric, .alpha = alpha, .nlist = nlist, .niter = niter,
+                   .seed = seed};
+  self->ready = 0;
+  if (hi_index_init(&self->ix, kind, dim, &p) != HI_OK) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  self->ready = 1;
+  return 0;
+}
+
+static int ready(IndexObject *self) {
+  if (self->ready) return 0;
+  PyErr_SetString(PyExc_RuntimeError, "Index not initialized");
+  return -1;
+}
+
+/* build(keys, dtype, head, cap, n, train_queries|None, m, train_topk|None, nq, threads) */
+static PyObject *Index_build(IndexObject *self, PyObject *args) {
+  PyObject *ko, *tqo, *tko;
+  int dtype, nq, threads;
+  Py_ssize_t head, cap, n, m;
+  if (!PyArg_ParseTuple(args, "OinnnOnOii", &ko, &dtype, &head, &cap, &n, &tqo, &m, &tko, &nq,
+                        &threads) ||
+      ready(self) < 0)
+    return NULL;
+  if (n < 0 || n > cap || m < 0 || nq < 0) {
+    PyErr_SetString(PyExc_ValueError, "invalid sizes");
+    return NULL;
+  }
+  Py_buffer kb, qb = {0}, tb = {0};
+  hi_keys_t kv;
+  if (keys_view(ko, &kb, dtype, self->ix.dim, head, cap, n, &kv) < 0) return NULL;
+  const float *tq = NULL;
+  const int64_t *tk = NULL;
+  if (tqo != Py_None) {
+    if (get_buf(tqo, &qb, 0, m * self->ix.dim * 4, "train_queries") < 0) goto fail;
+    tq = qb.buf;
+  }
+  if (tko != Py_None) {
+    if (get_buf(tko, &tb, 0, m * nq * 8, "train_topk") < 0) goto fail;
+    tk = tb.buf;
+    for (Py_ssize_t i = 0; i < m * nq; i++)
+      if (tk[i] < -1 || tk[i] >= n) {
+        PyErr_SetString(PyExc_ValueError, "train_topk id out of range");
+        goto fail;
+      }
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
+  err = hi_index_build(&self->ix, &kv, n, tq, m, tk, nq, threads);
+  if (err) self->ix.n = 0; /* a failed build leaves an empty, usable index */
+  pthread_rwlock_unlock(&self->ix.lock);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&kb);
+  if (qb.obj) PyBuffer_Release(&qb);
+  if (tb.obj) PyBuffer_Release(&tb);
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+fail:
+  PyBuffer_Release(&kb);
+  if (qb.obj) PyBuffer_Release(&qb);
+  if (tb.obj) PyBuffer_Release(&tb);
+  return NULL;
+}
+
+/* search(keys, dtype, head, cap, nrows, queries, nqry, k, ef, out_ids, out_scores,
+ *        out_scanned, threads) */
+static PyObject *Index_search(IndexObject *self, PyObject *args) {
+  PyObject *ko, *qo, *io, *so, *co;
+  int dtype, k, ef, threads;
+  Py_ssize_t head, cap, nrows, nqry;
+  if (!PyArg_ParseTuple(args, "OinnnOniiOOOi", &ko, &dtype, &head, &cap, &nrows, &qo, &nqry, &k,
+                        &ef, &io, &so, &co, &threads) ||
+      ready(self) < 0)
+    return NULL;
+  if (nqry < 0 || k < 0) {
+    PyErr_SetString(PyExc_ValueError, "negative query count or k");
+    return NULL;
+  }
+  const int dim = self->ix.dim;
+  Py_buffer kb, qb, ib, sb, cb;
+  hi_keys_t kv;
+  if (keys_view(ko, &kb, dtype, dim, head, cap, nrows, &kv) < 0) return NULL;
+  if (get_buf(qo, &qb, 0, nqry * dim * 4, "queries") < 0) goto f0;
+  if (get_buf(io, &ib, 1, nqry * k * 8, "ids") < 0) goto f1;
+  if (get_buf(so, &sb, 1, nqry * k * 4, "scores") < 0) goto f2;
+  if (get_buf(co, &cb, 1, nqry * 8, "scanned") < 0) goto f3;
+  int err = HI_OK;
+  Py_BEGIN_ALLOW_THREADS pthread_rwlock_rdlock(&self->ix.lock);
+  const float *q = qb.buf;
+  int64_t *ids = ib.buf, *scn = cb.buf;
+  float *sc = sb.buf;
+  hi_index_t *ix = &self->ix;
+#pragma omp parallel num_threads(hi_threads(threads))
+  {
+    hi_ws_t ws = {0};
+    int lerr = HI_OK;
+#pragma omp for schedule(dynamic, 1)
+    for (Py_ssize_t i = 0; i < nqry; i++)
+      if (!lerr) lerr = hi_index_search(ix, &kv, q + i * dim, k, ef, ids + i * k, sc + i * k, scn + i, &ws);
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    hi_ws_free(&ws);
+  }
+  pthread_rwlock_unlock(&self->ix.lock);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&cb);
+  PyBuffer_Release(&sb);
+  PyBuffer_Release(&ib);
+  PyBuffer_Release(&qb);
+  PyBuffer_Release(&kb);
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+f3:
+  PyBuffer_Release(&sb);
+f2:
+  PyBuffer_Release(&ib);
+f1:
+  PyBuffer_Release(&qb);
+f0:
+  PyBuffer_Release(&kb);
+  return NULL;
+}
+
+/* insert(keys, dtype, head, cap, n_total, queries|None, threads) */
+static PyObject *Index_insert(IndexObject *self, PyObject *args) {
+  PyObject *ko, *qo;
+  int dtype, threads;
+  Py_ssize_t head, cap, n_total;
+  if (!PyArg_ParseTuple(args, "OinnnOi", &ko, &dtype, &head, &cap, &n_total, &qo, &threads) ||
+      ready(self) < 0)
+    return NULL;
+  if (n_total < 0 || n_total > cap) {
+    PyErr_SetString(PyExc_ValueError, "n_total out of range");
+    return NULL;
+  }
+  Py_buffer kb, qb = {0};
+  hi_keys_t kv;
+  if (keys_view(ko, &kb, dtype, self->ix.dim, head, cap, n_total, &kv) < 0) return NULL;
+  const float *q = NULL;
+  if (qo != Py_None) {
+    /* Rows for the keys not yet indexed; size re-checked under the lock. */
+    if (PyObject_GetBuffer(qo, &qb, PyBUF_C_CONTIGUOUS) < 0) {
+      PyBuffer_Release(&kb);
+      return NULL;
+    }
+    q = qb.buf;
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
+  if (q && qb.len < (Py_ssize_t)((n_total - self->ix.n) * self->ix.dim * 4))
+    err = HI_EINVAL;
+  else
+    err = hi_index_insert(&self->ix, &kv, n_total, q, threads);
+  pthread_rwlock_unlock(&self->ix.lock);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&kb);
+  if (qb.obj) PyBuffer_Release(&qb);
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+/* Copy of the state arrays as bytes, for persistence. */
+static PyObject *Index_export(IndexObject *self, PyObject *unused) {
+  (void)unused;
+  if (ready(self) < 0) return NULL;
+  hi_index_t *ix = &self->ix;
+  Py_BEGIN_ALLOW_THREADS pthread_rwlock_rdlock(&ix->lock);
+  Py_END_ALLOW_THREADS PyObject *d = NULL;
+  const int graph = ix->kind == HI_GRAPH || ix->kind == HI_ROAR;
+  const Py_ssize_t n = (Py_ssize_t)ix->n;
+  /* Slots past a node's degree are scratch: write them as -1 so a saved
+   * file is a deterministic function of the graph. */
+  PyObject *adj = PyBytes_FromStringAndSize(NULL, graph ? n * ix->R * 4 : 0);
+  if (adj && graph) {
+    int32_t *a = (int32_t *)PyBytes_AS_STRING(adj);
+    for (Py_ssize_t i = 0; i < n; i++)
+      for (int j = 0; j < ix->R; j++)
+        a[i * ix->R + j] = j < ix->deg[i] ? ix->adj[(size_t)i * ix->R + j] : -1;
+  }
+  PyObject *deg = PyBytes_FromStringAndSize(graph ? (const char *)ix->deg : "", graph ? n * 4 : 0);
+  const int ivf = ix->kind == HI_IVF && ix->nlist > 0;
+  PyObject *cen = PyBytes_FromStringAndSize(ivf ? (const char *)ix->centroids : "",
+                                            ivf ? (Py_ssize_t)ix->nlist * ix->dim * 4 : 0);
+  PyObject *asg = PyBytes_FromStringAndSize(ivf ? (const char *)ix->assign : "", ivf ? n * 4 : 0);
+  if (adj && deg && cen && asg)
+    d = Py_BuildValue("{s:n,s:i,s:i,s:i,s:O,s:O,s:O,s:O}", "n", n, "entry", ix->entry, "R",
+                      ix->R, "nlist", ix->nlist, "adj", adj, "deg", deg, "centroids", cen,
+                      "assign", asg);
+  pthread_rwlock_unlock(&ix->lock);
+  Py_XDECREF(adj);
+  Py_XDECREF(deg);
+  Py_XDECREF(cen);
+  Py_XDECREF(asg);
+  return d;
+}
+
+/* restore(n, entry, nlist, adj, deg, centroids, assign): inverse of export. */
+static PyObject *Index_restore(IndexObject *self, PyObject *args) {
+  Py_ssize_t n;
+  int entry, nlist;
+  Py_buffer adj, deg, cen, asg;
+  if (ready(self) < 0) return NULL;
+  if (!PyArg_ParseTuple(args, "niiy*y*y*y*", &n, &entry, &nlist, &adj, &deg, &cen, &asg))
+    return NULL;
+  hi_index_t *ix = &self->ix;
+  const int graph = ix->kind == HI_GRAPH || ix->kind == HI_ROAR;
+  const int ivf = ix->kind == HI_IVF;
+  int err = HI_OK;
+  const char *why = NULL;
+  if (n < 0 || n > INT32_MAX - 1) why = "bad n";
+  else if (graph && (adj.len != n * ix->R * 4 || deg.len != n * 4)) why = "bad graph arrays";
+  else if (graph && (entry < -1 || entry >= n || (n > 0 && entry < 0))) why = "bad entry";
+  else if (ivf && (nlist < 0 || nlist > n + 1 || cen.len != (Py_ssize_t)nlist * ix->dim * 4 ||
+                   asg.len != (nlist > 0 ? n * 4 : 0)))
+    why = "bad ivf arrays";
+  if (!why && graph) {
+    const int32_t *a = adj.buf, *dg = deg.buf;
+    for (Py_ssize_t i = 0; i < n && !why; i++) {
+      if (dg[i] < 0 || dg[i] > ix->R) why = "bad degree";
+      for (int j = 0; j < (why ? 0 : dg[i]); j++)
+        if (a[i * ix->R + j] < 0 || a[i * ix->R + j] >= n) why = "edge out of range";
+    }
+  }
+  if (!why && ivf) {
+    const int32_t *as = asg.buf;
+    for (Py_ssize_t i = 0; i < (nlist > 0 ? n : 0) && !why; i++)
+      if (as[i] < 0 || as[i] >= nlist) why = "list id out of range";
+    if (!why && nlist == 0 && n > 0) why = "ivf without lists";
+  }
+  if (!why) {
+    Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&ix->lock);
+    ix->n = 0;
+    err = hi_index_reserve(ix, n > 0 ? n : 1);
+    if (!err && graph) {
+      memcpy(ix->adj, adj.buf, (size_t)adj.len);
+      memcpy(ix->deg, deg.buf, (size_t)deg.len);
+      ix->entry = entry;
+    }
+    if (!err && ivf) {
+      free(ix->centroids);
+      ix->centroids = malloc((size_t)(cen.len > 0 ? cen.len : 1));
+      if (!ix->centroids) err = HI_ENOMEM;
+      if (!err) {
+        memcpy(ix->centroids, cen.buf, (size_t)cen.len);
+        memcpy(ix->assign, asg.buf, (size_t)asg.len);
+        ix->nlist = nlist;
+      }
+    }
+    if (!err) ix->n = n;
+    if (!err && ivf && nlist > 0) err = hi_ivf_rebuild_lists(ix);
+    if (err) ix->n = 0;
+    pthread_rwlock_unlock(&ix->lock);
+    Py_END_ALLOW_THREADS
+  }
+  PyBuffer_Release(&adj);
+  PyBuffer_Release(&deg);
+  PyBuffer_Release(&cen);
+  PyBuffer_Release(&asg);
+  if (why) {
+    PyErr_Format(PyExc_ValueError, "corrupt index state: %s", why);
+    return NULL;
+  }
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *Index_stats(IndexObject *self, PyObject *unused) {
+  (void)unused;
+  if (ready(self) < 0) return NULL;
+  const hi_stats_t *s = &self->ix.stats;
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d}", "built_nodes",
+                       (long long)s->built_nodes, "projected_pivots",
+                       (long long)s->projected_pivots, "unreachable_fixed",
+                       (long long)s->unreachable_fixed, "dist_build", (long long)s->dist_build,
+                       "t_topk", s->t_topk, "t_project", s->t_project, "t_connect",
+                       s->t_connect, "t_repair", s->t_repair, "t_kmeans", s->t_kmeans,
+                       "t_assign", s->t_assign);
+}
+
+static PyObject *Index_get_n(IndexObject *self, void *c) {
+  (void)c;
+  return PyLong_FromLongLong(self->ready ? (long long)self->ix.n : 0);
+}
+static PyObject *Index_get_nbytes(IndexObject *self, void *c) {
+  (void)c;
+  return PyLong_FromSize_t(self->ready ? hi_index_nbytes(&self->ix) : 0);
+}
+static PyObject *Index_get_nlist(IndexObject *self, void *c) {
+  (void)c;
+  return PyLong_FromLong(self->ready ? self->ix.nlist : 0);
+}
+
+static PyMethodDef Index_methods[] = {
+    {"build", (PyCFunction)Index_build, METH_VARARGS, "Build over keys 0..n-1."},
+    {"search", (PyCFunction)Index_search, METH_VARARGS, "Top-k by inner product."},
+    {"insert", (PyCFunction)Index_insert, METH_VARARGS, "Index keys n..n_total-1."},
+    {"export", (PyCFunction)Index_export, METH_NOARGS, "State arrays as bytes."},
+    {"restore", (PyCFunction)Index_restore, METH_VARARGS, "Inverse of export."},
+    {"stats", (PyCFunction)Index_stats, METH_NOARGS, "Build statistics."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Index_getset[] = {
+    {"n", (getter)Index_get_n, NULL, "indexed keys", NULL},
+    {"nbytes", (getter)Index_get_nbytes, NULL, "bytes allocated", NULL},
+    {"nlist", (getter)Index_get_nlist, NULL, "ivf lists", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "host_index._core.Index",
+    .tp_basicsize = sizeof(IndexObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One ANN index over one head's keys (ids only; keys passed per call).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Index_init,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_methods = Index_methods,
+    .tp_getset = Index_getset,
+};
+
+/* ---- module functions ---------------------------------------------------- */
+
+/* attend(indexes, kbufs, vbufs, caps, lens, dtype, Hkv, dim, queries, B, Hq, per_q, k, ef,
+ *        scale, out_o, out_lse, out_scanned, out_ids|None, threads) */
+static PyObject *py_attend(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ixs, *kbs, *vbs, *caps, *lens, *qo, *oo, *lo, *so, *io;
+  int dtype, Hkv, dim, B, Hq, per_q, k, ef, threads;
+  float scale;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!iiiOiipiifOOOOi", &PyTuple_Type, &ixs, &PyTuple_Type,
+                        &kbs, &PyTuple_Type, &vbs, &PyTuple_Type, &caps, &PyTuple_Type, &lens,
+                        &dtype, &Hkv, &dim, &qo, &B, &Hq, &per_q, &k, &ef, &scale, &oo, &lo, &so,
+                        &io, &threads))
+    return NULL;
+  if (B < 1 || Hkv < 1 || Hq < Hkv || Hq % Hkv || k < 0 || dim < 1 ||
+      PyTuple_GET_SIZE(ixs) != (Py_ssize_t)B * (per_q ? Hq : Hkv) ||
+      PyTuple_GET_SIZE(kbs) != B || PyTuple_GET_SIZE(vbs) != B || PyTuple_GET_SIZE(caps) != B ||
+      PyTuple_GET_SIZE(lens) != B ||
+      check_dtype(dtype) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attend: inconsistent arguments");
+    return NULL;
+  }
+  const Py_ssize_t nix = PyTuple_GET_SIZE(ixs);
+  hi_index_t **idx = PyMem_Calloc((size_t)nix, sizeof *idx);
+  hi_keys_t *kv = PyMem_Calloc((size_t)B * Hkv, sizeof *kv);
+  hi_keys_t *vv = PyMem_Calloc((size_t)B * Hkv, sizeof *vv);
+  Py_buffer *bufs = PyMem_Calloc((size_t)2 * B + 5, sizeof(Py_buffer));
+  int nb = 0;
+  PyObject *ret = NULL;
+  if (!idx || !kv || !vv || !bufs) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  for (Py_ssize_t i = 0; i < nix; i++) {
+    PyObject *o = PyTuple_GET_ITEM(ixs, i);
+    if (!PyObject_TypeCheck(o, &IndexType) || !((IndexObject *)o)->ready ||
+        ((IndexObject *)o)->ix.dim != dim) {
+      PyErr_SetString(PyExc_TypeError, "attend: indexes must be Index objects of this dim");
+      goto out;
+    }
+    idx[i] = &((IndexObject *)o)->ix;
+  }
+  for (int b = 0; b < B; b++) {
+    Py_ssize_t cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(caps, b));
+    Py_ssize_t len = PyLong_AsSsize_t(PyTuple_GET_ITEM(lens, b));
+    if (cap < 0 || len < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative capacity");
+      goto out;
+    }
+    for (int w = 0; w < 2; w++) {
+      PyObject *o = PyTuple_GET_ITEM(w ? vbs : kbs, b);
+      hi_keys_t tmp;
+      if (keys_view(o, &bufs[nb], dtype, dim, Hkv - 1, cap, len, &tmp) < 0) goto out;
+      nb++;
+      for (int h = 0; h < Hkv; h++) {
+        hi_keys_t *t = w ? &vv[b * Hkv + h] : &kv[b * Hkv + h];
+        *t = tmp;
+        t->base = (const char *)bufs[nb - 1].buf + (size_t)h * cap * dim * hi_itemsize(dtype);
+      }
+    }
+  }
+  const Py_ssize_t T = (Py_ssize_t)B * Hq;
+  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  const float *q = bufs[nb++].buf;
+  if (get_buf(oo, &bufs[nb], 1, T * dim * 4, "o") < 0) goto out;
+  float *o = bufs[nb++].buf;
+  if (get_buf(lo, &bufs[nb], 1, T * 4, "lse") < 0) goto out;
+  float *lse = bufs[nb++].buf;
+  if (get_buf(so, &bufs[nb], 1, T * 8, "scanned") < 0) goto out;
+  int64_t *scn = bufs[nb++].buf;
+  int64_t *ids = NULL;
+  if (io != Py_None) {
+    if (get_buf(io, &bufs[nb], 1, T * k * 8, "ids") < 0) goto out;
+    ids = bufs[nb++].buf;
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_attend(idx, kv, vv, B, Hq, Hkv, per_q, q, k, ef, scale, o, lse,
+                                         scn, ids, threads);
+  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
+out:
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
+  PyMem_Free(idx);
+  PyMem_Free(kv);
+  PyMem_Free(vv);
+  PyMem_Free(bufs);
+  return ret;
+}
+
+/* convert(src, sdt, src_off, src_stride, dst, ddt, dst_off, dst_stride, nblocks, block, threads)
+ * copies nblocks blocks of `block` elements (offsets and strides in elements). */
+static PyObject *py_convert(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *so, *dobj;
+  int sdt, ddt, threads;
+  Py_ssize_t soff, sst, doff, dst, nbk, blk;
+  if (!PyArg_ParseTuple(args, "OinnOinnnni", &so, &sdt, &soff, &sst, &dobj, &ddt, &doff, &dst,
+                        &nbk, &blk, &threads) ||
+      check_dtype(sdt) < 0 || check_dtype(ddt) < 0)
+    return NULL;
+  if (soff < 0 || sst < 0 || doff < 0 || dst < 0 || nbk < 0 || blk < 0) {
+    PyErr_SetString(PyExc_ValueError, "convert: negative offset");
+    return NULL;
+  }
+  const Py_ssize_t need_s = nbk ? (soff + (nbk - 1) * sst + blk) * (Py_ssize_t)hi_itemsize(sdt) : 0;
+  const Py_ssize_t need_d = nbk ? (doff + (nbk - 1) * dst + blk) * (Py_ssize_t)hi_itemsize(ddt) : 0;
+  Py_buffer sb, db;
+  if (get_buf(so, &sb, 0, need_s, "src") < 0) return NULL;
+  if (get_buf(dobj, &db, 1, need_d, "dst") < 0) {
+    PyBuffer_Release(&sb);
+    return NULL;
+  }
+  Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(hi_threads(nbk > 1 ? threads : 1))
+  for (Py_ssize_t i = 0; i < nbk; i++)
+    hi_convert((const char *)sb.buf + (soff + i * sst) * hi_itemsize(sdt), sdt,
+               (char *)db.buf + (doff + i * dst) * hi_itemsize(ddt), ddt, blk);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&sb);
+  PyBuffer_Release(&db);
+  Py_RETURN_NONE;
+}
+
+/* count_bad(src, sdt, ddt, n): NaN/inf in src or overflow into ddt. */
+static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *so;
+  int sdt, ddt;
+  Py_ssize_t n;
+  if (!PyArg_ParseTuple(args, "Oiin", &so, &sdt, &ddt, &n) || check_dtype(sdt) < 0 ||
+      check_dtype(ddt) < 0)
+    return NULL;
+  if (n < 0) {
+    PyErr_SetString(PyExc_ValueError, "negative n");
+    return NULL;
+  }
+  Py_buffer sb;
+  if (get_buf(so, &sb, 0, n * (Py_ssize_t)hi_itemsize(sdt), "src") < 0) return NULL;
+  int64_t bad;
+  Py_BEGIN_ALLOW_THREADS bad = hi_count_bad(sb.buf, sdt, ddt, n);
+  Py_END_ALLOW_THREADS PyBuffer_Release(&sb);
+  return PyLong_FromLongLong((long long)bad);
+}
+
+/* gather_pages(k, v, dtype, Hkv, cap, len, dim, page, heads, page_ids, P, out_k, out_v, threads) */
+static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ko, *vo, *ho, *po, *oko, *ovo;
+  int dtype, Hkv, dim, page, threads;
+  Py_ssize_t cap, len, P;
+  if (!PyArg_ParseTuple(args, "OOiinniiOOnOOi", &ko, &vo, &dtype, &Hkv, &cap, &len, &dim, &page,
+                        &ho, &po, &P, &oko, &ovo, &threads) ||
+      check_dtype(dtype) < 0)
+    return NULL;
+  if (Hkv < 1 || cap < 0 || len < 0 || len > cap || dim < 1 || page < 1 || P < 0) {
+    PyErr_SetString(PyExc_ValueError, "gather_pages: bad sizes");
+    return NULL;
+  }
+  const Py_ssize_t isz = (Py_ssize_t)hi_itemsize(dtype);
+  Py_buffer b[6];
+  PyObject *objs[6] = {ko, vo, ho, po, oko, ovo};
+  const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, P * 8, P * 8,
+                              P * page * dim * isz, P * page * dim * isz};
+  int nb = 0;
+  for (; nb < 6; nb++)
+    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], "gather_pages") < 0) break;
+  int err = HI_OK;
+  if (nb == 6) {
+    Py_BEGIN_ALLOW_THREADS err = hi_gather_pages(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
+                                                 page, b[2].buf, b[3].buf, P, b[4].buf, b[5].buf,
+                                                 threads);
+    Py_END_ALLOW_THREADS
+  }
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < 6 || raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *mod, PyObject *unused) {
+  (void)mod;
+  (void)unused;
+  return PyUnicode_FromString(hi_kernels_isa());
+}
+
+static PyMethodDef module_methods[] = {
+    {"isa", py_isa, METH_NOARGS, "Instruction set of the kernels in use."},
+    {"attend", py_attend, METH_VARARGS, "Host partial attention for one layer."},
+    {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
+    {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
+    {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, .m_name = "host_index._core", .m_doc = "host_index C core",
+    .m_size = -1, .m_methods = module_methods};
+
+PyMODINIT_FUNC PyInit__core(void) {
+  if (PyType_Ready(&IndexType) < 0) return NULL;
+  PyObject *m = PyModule_Create(&moduledef);
+  if (!m) return NULL;
+  if (PyModule_AddObjectRef(m, "Index", (PyObject *)&IndexType) < 0) {
+    Py_DECREF(m);
+    return NULL;
+  }
+  return m;
+}

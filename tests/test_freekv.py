@@ -1,0 +1,195 @@
+"""`freekv`: exact when the budget covers the context, speculation with tau = 1 equals the
+synchronous path, the device's group-consistent selection matches a NumPy reference, only
+missing pages are recalled, bad options are refused, host errors surface after the step."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import freekv_host, host_runtime
+from kvjax.policies import FreeKVAttention, make_policy
+from kvjax.policies.freekv import page_scores, plan_recall, top_pages
+from test_generate import random_prompt, tiny_model
+
+SMALL = dict(page_size=4, sinks=4, window=8)
+STEPS = 24  # > window + page_size: tokens leave the window and new pages complete
+PROMPTS = ((53, 0), (37, 1), (3, 2))  # ragged batch: (length, seed); 3 < sinks
+COVERING = 4 + 8 + 4 * 20  # 20 pages >= the 17 host pages of the longest context
+
+
+def prompts():
+  return [random_prompt(n, seed=s) for n, s in PROMPTS]
+
+
+@functools.lru_cache(maxsize=None)
+def full_run():
+  return kvjax.generate(tiny_model("llama"), prompts(), max_new_tokens=STEPS, prefill_chunk=16, return_logits=True)
+
+
+def run(**options):
+  return kvjax.generate(tiny_model("llama"), prompts(), max_new_tokens=STEPS, prefill_chunk=16,
+                        return_logits=True, policy="freekv", policy_options=SMALL | options)
+
+
+@pytest.fixture
+def fetch_log(monkeypatch):
+  """Records (layer, fetch_ids [B, Hkv, R]) of every callback."""
+  log = []
+  original = freekv_host.FreeKVRuntime.decode_layer
+
+  def spy(self, layer, evicted_k, evicted_v, evicted_pos, fetch_ids, counters):
+    log.append((layer, fetch_ids.copy()))
+    return original(self, layer, evicted_k, evicted_v, evicted_pos, fetch_ids, counters)
+
+  monkeypatch.setattr(freekv_host.FreeKVRuntime, "decode_layer", spy)
+  return log
+
+
+@pytest.mark.parametrize("speculative, dense_layers", [(False, ()), (True, (0,))])
+def test_equals_full_when_budget_covers_the_context_and_recalls_each_page_once(speculative, dense_layers, fetch_log):
+  before = set(host_runtime._RUNTIMES)
+  full = full_run()
+  sparse = run(budget=COVERING, speculative=speculative, tau=0.8, dense_layers=dense_layers)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.tokens == full.tokens
+  assert set(host_runtime._RUNTIMES) == before  # the runtime is released
+
+  # Every page needed is recalled exactly once: later steps fetch only the page that
+  # completed (non-speculative: one step later, when it becomes a candidate).
+  decode_steps = STEPS - 1
+  sparse_layers = 2 - len(dense_layers)
+  assert len(fetch_log) == decode_steps * sparse_layers
+  assert {layer for layer, _ in fetch_log} == set(range(len(dense_layers), 2))
+  S, W, P = SMALL["sinks"], SMALL["window"], SMALL["page_size"]
+  for b, (n, _) in enumerate(PROMPTS):
+    last = n + decode_steps - 1  # position fed at the last step
+    needed = (last - W - S + int(speculative)) // P  # pages complete when the last selection was made
+    for layer in range(len(dense_layers), 2):
+      for h in range(2):
+        ids = np.concatenate([f[b, h] for l, f in fetch_log if l == layer])
+        ids = ids[ids >= 0]
+        assert sorted(ids.tolist()) == list(range(needed)), (b, layer, h)
+  # A stable selection recalls nothing: most steps fetch no page at all.
+  empty = sum(int((f < 0).all()) for _, f in fetch_log)
+  assert empty >= len(fetch_log) // 2
+  stats = sparse.policy_stats
+  assert stats["hit_rate"] == 1.0  # the whole context is selected every step
+  assert stats["decode_steps"] == decode_steps
+  recalled = sum((f >= 0).sum() for _, f in fetch_log)
+  assert stats["recalled_pages_per_step"] == pytest.approx(recalled / decode_steps)
+  assert stats["recalled_bytes_per_step"] == pytest.approx(recalled * 2 * P * 16 * 4 / decode_steps)
+
+
+def test_bfloat16_store_round_trips():
+  model = tiny_model("llama", dtype="bfloat16")  # the host store holds bfloat16 as uint16 bits
+  prompt = random_prompt(53)
+  full = kvjax.generate(model, prompt, max_new_tokens=STEPS, prefill_chunk=16, return_logits=True)
+  sparse = kvjax.generate(model, prompt, max_new_tokens=STEPS, prefill_chunk=16, return_logits=True,
+                          policy="freekv", policy_options=SMALL | dict(budget=COVERING))
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=0, atol=5e-2)  # |logits| ~ 4
+  assert sparse.tokens == full.tokens
+
+
+def test_speculative_with_tau_one_equals_non_speculative_under_a_small_budget():
+  budget = 4 + 8 + 4 * 3  # 3 pages of 4 out of up to 17
+  sync = run(budget=budget, speculative=False, dense_layers=())
+  spec = run(budget=budget, speculative=True, tau=1.0, dense_layers=())
+  # Same attended set every step; the LSE merge splits it differently between resident and
+  # just-recalled pages, so the sums agree to float32 rounding, not bit for bit.
+  np.testing.assert_allclose(spec.logits, sync.logits, rtol=0, atol=1e-5)
+  assert spec.tokens == sync.tokens
+  assert spec.policy_stats["correction_rate"] == 1.0
+  assert np.abs(sync.logits - full_run().logits).max() > 1e-2  # the budget really bites
+  assert 0 < sync.policy_stats["hit_rate"] < 1
+
+
+def _reference_selection(q, kmax, kmin, num_candidates, n_sel, scale):
+  """NumPy: per query head softmax over candidate pages of Σ_d max(q·max, q·min), group mean, top n_sel."""
+  B, Hq, D = q.shape
+  H = kmax.shape[1]
+  G = Hq // H
+  ids = np.full((B, H, n_sel), -1)
+  pooled = np.full((B, H, kmax.shape[2]), -np.inf)
+  for b in range(B):
+    c = num_candidates[b]
+    for h in range(H):
+      probs = []
+      for g in range(G):
+        qv = q[b, h * G + g].astype(np.float64)
+        s = np.maximum(qv * kmax[b, h, :c], qv * kmin[b, h, :c]).sum(-1) * scale
+        e = np.exp(s - s.max())
+        probs.append(e / e.sum())
+      pooled[b, h, :c] = np.mean(probs, axis=0)
+      order = np.argsort(-pooled[b, h, :c], kind="stable")[:n_sel]
+      ids[b, h, :len(order)] = order
+  return pooled, ids
+
+
+def test_group_consistent_selection_matches_numpy_reference():
+  rng = np.random.default_rng(0)
+  B, Hq, H, N, D = 2, 6, 2, 12, 16
+  q = rng.normal(size=(B, Hq, D)).astype(np.float32)
+  kmax = rng.normal(size=(B, H, N, D)).astype(np.float32)
+  kmin = kmax - np.abs(rng.normal(size=(B, H, N, D))).astype(np.float32)
+  counts = np.array([7, 12])
+  for n_sel in (5, 9):  # 9 > 7 candidates: padded with -1
+    want_pooled, want_ids = _reference_selection(q, kmax, kmin, counts, n_sel, 0.25)
+    pooled = page_scores(jnp.asarray(q), jnp.asarray(kmax), jnp.asarray(kmin), jnp.asarray(counts), scale=0.25)
+    np.testing.assert_allclose(np.asarray(pooled), want_pooled, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(top_pages(pooled, n_sel)), want_ids)
+
+
+def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
+  pool = jnp.asarray([[[5, -1, 2, 7]]], jnp.int32)  # slot 1 empty
+  scores = jnp.asarray([[[0.0, 0.0, 0.3, 0.1, 0.05, 0.2, 0.0, 0.02, 0.0, 0.25]]], jnp.float32)
+  wanted = jnp.asarray([[[2, 9, 3, 4]]], jnp.int32)  # 2 resident; 9, 3, 4 missing
+  fetch, slots, new_pool = plan_recall(pool, wanted, scores, 4)
+  assert fetch.tolist() == [[[9, 3, 4, -1]]]
+  # Empty slot 1 first, then page 7 (score 0.02) before page 5 (0.2); page 2 is kept.
+  assert slots.tolist() == [[[1, 3, 0, 4]]]
+  assert new_pool.tolist() == [[[4, 9, 2, 3]]]
+  again, _, same = plan_recall(new_pool, wanted, scores, 4)
+  assert (np.asarray(again) == -1).all() and same.tolist() == new_pool.tolist()
+  capped, _, _ = plan_recall(pool, wanted, scores, 2)  # max_recall bounds a step's recall
+  assert capped.tolist() == [[[9, 3]]]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(page_size=32, sinks=48), "sinks=48"),
+    (dict(page_size=32, window=100), "window=100"),
+    (dict(budget=2050), "budget=2050"),
+    (dict(budget=1024), "budget=1024"),
+    (dict(budget=512), "budget=512"),
+    (dict(tau=1.5), "tau=1.5"),
+    (dict(tau=-0.1), "tau=-0.1"),
+    (dict(max_recall=0), "max_recall=0"),
+    (dict(max_recall=33), "max_recall=33"),
+    (dict(page_size=0), "page_size=0"),
+    (dict(dense_layers=(-1,)), "dense_layers"),
+    (dict(implementation="cuda"), "implementation="),
+])
+def test_bad_options(options, message):
+  with pytest.raises(ValueError, match=message):
+    FreeKVAttention(**options)
+
+
+def test_defaults_and_unknown_option():
+  policy = make_policy("freekv", tau=1.0)  # 1.0 exactly is allowed
+  assert (policy.budget, policy.page_size, policy.sinks, policy.window, policy.n_sel) == (2048, 32, 512, 512, 32)
+  assert policy.speculative and policy.dense_layers == (0,) and policy.recall == 32
+  with pytest.raises(ValueError, match="does not take"):
+    make_policy("freekv", topk=10)
+
+
+def test_host_error_is_raised_after_the_step(monkeypatch):
+  def broken(self, *args):
+    raise OSError("disk on fire")
+
+  monkeypatch.setattr(freekv_host.FreeKVRuntime, "decode_layer", broken)
+  before = set(host_runtime._RUNTIMES)
+  with pytest.raises(RuntimeError, match="disk on fire"):
+    run(budget=4 + 8 + 4 * 3, speculative=False, dense_layers=())  # compiled by the test above
+  assert set(host_runtime._RUNTIMES) == before

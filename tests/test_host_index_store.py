@@ -1,0 +1,151 @@
+"""KVStore: appends, dtypes, overlap/gap rules, memory cap, pages."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import host_index as hi
+
+H, D = 2, 8
+
+
+def kv(n, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((H, n, D)).astype(dtype),
+            rng.standard_normal((H, n, D)).astype(dtype))
+
+
+def test_append_and_read_back():
+    st = hi.KVStore(2, 3, H, D, dtype="float32")
+    k, v = kv(10)
+    assert st.append(1, 2, 0, k, v) == 10
+    assert st.length(1, 2) == 10 and st.length(0, 0) == 0
+    np.testing.assert_array_equal(st.keys(1, 2), k)
+    np.testing.assert_array_equal(st.values(1, 2), v)
+
+
+def test_overlap_is_skipped_and_gap_rejected():
+    st = hi.KVStore(1, 1, H, D, dtype="float32")
+    k, v = kv(20)
+    assert st.append(0, 0, 0, k[:, :12], v[:, :12]) == 12
+    assert st.append(0, 0, 0, k[:, :12], v[:, :12]) == 0  # repeated call: harmless
+    assert st.append(0, 0, 8, k[:, 8:20], v[:, 8:20]) == 8  # overlap of 4 skipped
+    np.testing.assert_array_equal(st.keys(0, 0), k)
+    with pytest.raises(ValueError, match="gap"):
+        st.append(0, 0, 21, k[:, :1], v[:, :1])
+
+
+def test_growth_is_amortized_and_accounted():
+    st = hi.KVStore(1, 1, H, D, dtype="float16")
+    k, v = kv(1)
+    caps = set()
+    for i in range(300):
+        st.append(0, 0, i, k, v)
+        caps.add(st.capacity(0, 0))
+    assert len(caps) < 20  # not one reallocation per token
+    assert st.nbytes == 2 * H * st.capacity(0, 0) * D * 2
+    assert st.capacity(0, 0) % st.page_size == 0
+
+
+@pytest.mark.parametrize("store_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("in_dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_dtype_conversions(store_dtype, in_dtype):
+    st = hi.KVStore(1, 1, H, D, dtype=store_dtype)
+    k, v = kv(7, dtype=in_dtype)
+    st.append(0, 0, 0, k, v)
+    ref = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[store_dtype]
+    want = k.astype(np.float32).astype(ref).astype(np.float32)  # round to nearest even
+    np.testing.assert_array_equal(st.keys(0, 0), want)
+
+
+def test_half_conversion_exhaustive():
+    # Every finite half value and the rounding of floats near half ties.
+    bits = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    halves = bits.view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    n = len(halves) // H // D * H * D
+    x = halves[:n].reshape(H, -1, D)
+    st = hi.KVStore(1, 1, H, D, dtype="float32")
+    st.append(0, 0, 0, x, x)
+    np.testing.assert_array_equal(st.keys(0, 0), x.astype(np.float32))
+    f = np.random.default_rng(0).standard_normal((H, 4096, D)).astype(np.float32) * 1000
+    st16 = hi.KVStore(1, 1, H, D, dtype="float16")
+    st16.append(0, 0, 0, f, f)
+    np.testing.assert_array_equal(st16.keys(0, 0), f.astype(np.float16).astype(np.float32))
+
+
+def test_bad_values_write_nothing():
+    st = hi.KVStore(1, 1, H, D, dtype="float16")
+    k, v = kv(5)
+    st.append(0, 0, 0, k, v)
+    before = st.keys(0, 0)
+    for bad in (np.nan, np.inf, 1e6):  # 1e6 overflows float16
+        k2, v2 = kv(4, seed=1)
+        v2[1, 2, 3] = bad
+        with pytest.raises(ValueError):
+            st.append(0, 0, 5, k2, v2)
+    assert st.length(0, 0) == 5
+    np.testing.assert_array_equal(st.keys(0, 0), before)
+
+
+def test_bad_shapes_and_dtypes():
+    st = hi.KVStore(1, 1, H, D)
+    k, v = kv(3)
+    with pytest.raises(ValueError):
+        st.append(0, 0, 0, k[:1], v[:1])
+    with pytest.raises(ValueError):
+        st.append(0, 0, 0, k, v[:, :2])
+    with pytest.raises(TypeError):
+        st.append(0, 0, 0, k.astype(np.float64), v)
+    with pytest.raises(ValueError):
+        st.append(1, 0, 0, k, v)
+    with pytest.raises(ValueError):
+        st.append(0, 0, -1, k, v)
+    with pytest.raises(ValueError):
+        hi.KVStore(1, 1, H, D, dtype="int8")
+
+
+def test_non_contiguous_input_is_copied():
+    st = hi.KVStore(1, 1, H, D, dtype="float32")
+    k, v = kv(6)
+    kt = np.ascontiguousarray(k.transpose(1, 0, 2)).transpose(1, 0, 2)  # strided view
+    assert not kt.flags.c_contiguous
+    st.append(0, 0, 0, kt, v[:, :, :])
+    np.testing.assert_array_equal(st.keys(0, 0), k)
+
+
+def test_memory_cap():
+    per_token = 2 * H * D * 2  # K and V, float16
+    st = hi.KVStore(2, 1, H, D, dtype="float16", max_bytes=per_token * 96)
+    k, v = kv(64)
+    st.append(0, 0, 0, k, v)
+    with pytest.raises(hi.StoreFullError) as e:
+        st.append(1, 0, 0, k, v)  # 64 more tokens: past the cap
+    assert isinstance(e.value, MemoryError)
+    assert st.length(1, 0) == 0 and st.nbytes <= st.max_bytes
+    st.append(1, 0, 0, k[:, :32], v[:, :32])  # what fits still goes in
+    assert st.nbytes <= st.max_bytes
+    np.testing.assert_array_equal(st.keys(1, 0), k[:, :32].astype(np.float16).astype(np.float32))
+
+
+def test_fetch_pages():
+    st = hi.KVStore(1, 2, H, D, dtype="float16", page_size=4)
+    k, v = kv(10)
+    st.append(0, 1, 0, k, v)
+    ok, ov = st.fetch_pages(0, 1, [1, 0, 1], [0, 2, 2])
+    kk = k.astype(np.float16)
+    np.testing.assert_array_equal(ok[0], kk[1, 0:4])
+    np.testing.assert_array_equal(ok[1, :2], kk[0, 8:10])
+    assert (ok[1, 2:] == 0).all()  # past the stored length: zeros
+    np.testing.assert_array_equal(ov[2, :2], v.astype(np.float16)[1, 8:10])
+    out_k = np.empty((3, 4, D), np.float16)
+    out_v = np.empty((3, 4, D), np.float16)
+    rk, _ = st.fetch_pages(0, 1, [1, 0, 1], [0, 2, 2], out_k=out_k, out_v=out_v)
+    assert rk is out_k
+    np.testing.assert_array_equal(out_k, ok)
+    with pytest.raises(ValueError):
+        st.fetch_pages(0, 1, [0], [3])  # page past the end
+    with pytest.raises(ValueError):
+        st.fetch_pages(0, 1, [2], [0])  # head out of range
+    with pytest.raises(ValueError):
+        st.fetch_pages(0, 1, [0], [0], out_k=np.empty((1, 4, D), np.float32))
