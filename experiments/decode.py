@@ -17,6 +17,7 @@ from absl import app, flags
 import kvjax
 from kvjax import cli
 from kvjax.policies import make_policy
+import results_io
 
 cli.define_flags()
 flags.DEFINE_string("json_out", None, "Also write the report as JSON to this file.")
@@ -100,7 +101,7 @@ def main(argv):
     print(f"{key}: {value}")
   if FLAGS.json_out:
     with open(FLAGS.json_out, "w") as f:
-      json.dump(report | {"answer": answer}, f, indent=2)
+      json.dump(results_io.stamp() | report | {"answer": answer}, f, indent=2)
 
 
 if __name__ == "__main__":
