@@ -56,11 +56,13 @@ def _activation(cfg: ModelConfig, x):
 
 
 def _project(x, w, b=None):
-  # x [B, T, in] @ w [in, out] in the weight dtype with float32 accumulation.
-  y = jnp.einsum("BTI,IO->BTO", x, w, preferred_element_type=jnp.float32)
+  # x [B, T, in] @ w [in, out]. The output stays in the activation dtype: asking XLA for a
+  # float32 result of a bf16 decode GEMV made it read the weights at 2.1 instead of 2.9 TB/s
+  # on the H200 (experiments/results/bench_gemv.md); bf16 dots accumulate in f32 regardless.
+  y = jnp.einsum("BTI,IO->BTO", x, w)
   if b is not None:
-    y = y + b.astype(jnp.float32)
-  return y.astype(x.dtype)
+    y = (y.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+  return y
 
 
 def _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attention_fn, state):
