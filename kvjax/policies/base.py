@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
 
@@ -62,6 +63,30 @@ class AttentionPolicy(abc.ABC):
     """A callable that frees the host resources of `state`; taken before the state is
     donated to a jitted step (donation invalidates its arrays)."""
     return lambda: None
+
+
+class DenseLayersMixin:
+  """For policies with a `dense_layers` field: which layers attend densely on the device.
+
+  Sliding-window layers (Gemma 3's local layers) are always dense: they attend to at most
+  their own window, so offloading them gains nothing.
+  """
+
+  dense_layers: tuple[int, ...]
+
+  def dense_layer_ids(self, cfg: ModelConfig) -> tuple[int, ...]:
+    bad = [l for l in self.dense_layers if not 0 <= l < cfg.num_layers]
+    if bad:
+      raise ValueError(f"dense_layers {bad} out of range for {cfg.num_layers} layers")
+    local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
+    return tuple(sorted(set(self.dense_layers) | set(local)))
+
+  def dense_slot(self, cfg: ModelConfig, layer):
+    """Index of `layer` (traced int32) in the decode-time dense cache, -1 for a sparse layer."""
+    table = np.full(cfg.num_layers, -1, np.int32)
+    for i, l in enumerate(self.dense_layer_ids(cfg)):
+      table[l] = i
+    return jnp.asarray(table)[layer]
 
 
 def layer_window(cfg: ModelConfig, layer):

@@ -71,7 +71,7 @@ import host_index
 import ops
 from kvjax import freekv_host
 from kvjax import host_runtime
-from kvjax.policies.base import AttentionPolicy
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
@@ -225,7 +225,7 @@ def _prompt_summaries(
 
 
 @dataclasses.dataclass(frozen=True)
-class FreeKVAttention(AttentionPolicy):
+class FreeKVAttention(DenseLayersMixin, AttentionPolicy):
   """FreeKV; see the module docstring.
 
   Attributes:
@@ -298,20 +298,6 @@ class FreeKVAttention(AttentionPolicy):
             f"pages of {self.page_size}, {spec}, max_recall {self.recall}{dense})")
 
   # -- layout ----------------------------------------------------------------------------
-
-  def dense_layer_ids(self, cfg: ModelConfig) -> tuple[int, ...]:
-    bad = [l for l in self.dense_layers if l >= cfg.num_layers]
-    if bad:
-      raise ValueError(f"dense_layers {bad} out of range for {cfg.num_layers} layers")
-    local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
-    return tuple(sorted(set(self.dense_layers) | set(local)))
-
-  def _dense_slot(self, cfg: ModelConfig, layer):
-    """Index of `layer` in the decode-time dense cache, -1 for a sparse layer."""
-    table = np.full(cfg.num_layers, -1, np.int32)
-    for i, l in enumerate(self.dense_layer_ids(cfg)):
-      table[l] = i
-    return jnp.asarray(table)[layer]
 
   def _paged_impl(self) -> str:
     impl = resolve_implementation(self.implementation)
@@ -418,7 +404,7 @@ class FreeKVAttention(AttentionPolicy):
       raise ValueError(f"freekv decodes one token per step after finish_prefill, got a chunk of {q.shape[1]}")
     if not self.dense_layer_ids(cfg):
       return self._sparse(cfg, layer, q, k, v, positions, state)
-    slot = self._dense_slot(cfg, layer)
+    slot = self.dense_slot(cfg, layer)
     return jax.lax.cond(slot >= 0,
                         lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
                         lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)

@@ -32,7 +32,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import host_runtime
-from kvjax.policies.base import AttentionPolicy
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
 from models.config import ModelConfig
 
@@ -52,7 +52,7 @@ class RetrievalState:
 
 
 @dataclasses.dataclass(frozen=True)
-class RetrievalAttention(AttentionPolicy):
+class RetrievalAttention(DenseLayersMixin, AttentionPolicy):
   """Options:
 
   index: host index kind, "roar" (attention-aware), "graph", "ivf" or "flat" (exact).
@@ -102,22 +102,6 @@ class RetrievalAttention(AttentionPolicy):
     return (f"retrieval(index={self.index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
 
-  # -- layout ----------------------------------------------------------------------------
-
-  def dense_layer_ids(self, cfg: ModelConfig) -> tuple[int, ...]:
-    bad = [l for l in self.dense_layers if not 0 <= l < cfg.num_layers]
-    if bad:
-      raise ValueError(f"dense_layers {bad} out of range for {cfg.num_layers} layers")
-    local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
-    return tuple(sorted(set(self.dense_layers) | set(local)))
-
-  def _dense_slot(self, cfg: ModelConfig, layer):
-    """Index of `layer` in the decode-time dense cache, -1 for a retrieval layer."""
-    table = np.full(cfg.num_layers, -1, np.int32)
-    for i, l in enumerate(self.dense_layer_ids(cfg)):
-      table[l] = i
-    return jnp.asarray(table)[layer]
-
   # -- state -----------------------------------------------------------------------------
 
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> RetrievalState:
@@ -165,7 +149,7 @@ class RetrievalAttention(AttentionPolicy):
   def attend(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     if q.shape[1] > 1:
       return self._prefill(cfg, layer, q, k, v, positions, state)
-    slot = self._dense_slot(cfg, layer)
+    slot = self.dense_slot(cfg, layer)
     if not self.dense_layer_ids(cfg):
       return self._retrieve(cfg, layer, q, k, v, positions, state)
     return jax.lax.cond(slot >= 0,
