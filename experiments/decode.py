@@ -12,10 +12,10 @@ import json
 import resource
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import kvjax
-from kvjax import cli
+from kvjax import cli, context_cache
 from kvjax.policies import make_policy
 import results_io
 
@@ -52,32 +52,52 @@ def _progress(done: int, total: int) -> None:
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax and XLA log every save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if FLAGS.save_context or FLAGS.load_context:
-    raise app.UsageError("--save_context/--load_context need a retrieval policy, which this version lacks")
-  policy_cls = type(make_policy(FLAGS.policy))
-  options = cli.policy_options(policy_cls, FLAGS)
-  policy = make_policy(FLAGS.policy, **options)
   dtype = cli.resolve_dtype(FLAGS.dtype)
+  if FLAGS.load_context and FLAGS.save_context:
+    raise app.UsageError("give --save_context or --load_context, not both")
+  if FLAGS.load_context:
+    given = [f for f in ("prompt", "prompt_file", "context_len", "rope_scaling") if FLAGS[f].present]
+    if given:
+      raise app.UsageError(f"--{given[0]} does not apply with --load_context (the context holds the prompt)")
+    saved = context_cache.read_manifest(FLAGS.load_context)["policy"]["name"]
+    if FLAGS["policy"].present and FLAGS.policy != saved:
+      raise app.UsageError(f"--policy={FLAGS.policy} but the saved context was prefilled with {saved}")
+    overrides = cli.policy_options(type(make_policy(saved)), FLAGS, policy_name=saved)
+  else:
+    options = cli.policy_options(type(make_policy(FLAGS.policy)), FLAGS)
+    policy = make_policy(FLAGS.policy, **options)
   model = kvjax.load_model(FLAGS.model, dtype=dtype)
   if FLAGS.rope_scaling:
     scaling = cli.parse_rope_scaling(FLAGS.rope_scaling, model.cfg.max_position)
     model = dataclasses.replace(model, cfg=model.cfg.with_rope_scaling(scaling))
-  prompt, passkey = _prompt(model)
-  prompts = [prompt] * FLAGS.batch
-  result = kvjax.generate(
-      model, prompts, max_new_tokens=FLAGS.max_new_tokens, policy=policy, temperature=FLAGS.temperature,
-      top_p=FLAGS.top_p, seed=FLAGS.seed, prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress)
+  if FLAGS.load_context:
+    try:
+      context = kvjax.load_context(FLAGS.load_context, model, policy_options=overrides)
+    except ValueError as e:  # another model, a corrupt file, or a layout option changed
+      raise app.UsageError(str(e)) from None
+    passkey = context.metadata.get("passkey")
+  else:
+    prompt, passkey = _prompt(model)
+    context = kvjax.prefill(model, [prompt] * FLAGS.batch, max_new_tokens=FLAGS.max_new_tokens, policy=policy,
+                            prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress)
+    context.metadata["passkey"] = passkey
+    if FLAGS.save_context:
+      kvjax.save_context(context, FLAGS.save_context)
+  result = kvjax.decode(model, context, max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                        top_p=FLAGS.top_p, seed=FLAGS.seed)
 
   answer = result.texts[0] if result.texts is not None else " ".join(map(str, result.tokens[0]))
   report = {
       "model": model.cfg.name,
       "dtype": dtype,
       "policy": result.policy,
-      "batch": FLAGS.batch,
+      "batch": len(result.tokens),
       "prompt_tokens": result.prompt_lengths[0],
       "generated_tokens": len(result.tokens[0]),
+      "context": f"loaded from {FLAGS.load_context}" if FLAGS.load_context else "prefilled",
       "prefill_seconds": round(result.prefill_seconds, 3),
       "prefill_tokens_per_second": round(result.prefill_tokens_per_second, 1),
       "decode_ms_per_token": round(result.ms_per_token, 3),

@@ -6,7 +6,8 @@
     print(result.texts[0], result.ms_per_token)
 """
 
-from kvjax.generate import GenerationResult, check_context, generate
+from kvjax.context_cache import load_context, save_context
+from kvjax.generate import GenerationResult, PrefilledContext, check_context, decode, generate, prefill
 from kvjax.policies import AttentionPolicy, make_policy, policy_names
 from kvjax.prompts import PasskeyPrompt, passkey_prompt
 from kvjax.sampling import SamplingConfig
@@ -22,12 +23,17 @@ def load_model(name_or_path: str = "smollm2", **kwargs):
 __all__ = [
     "AttentionPolicy",
     "GenerationResult",
+    "PrefilledContext",
     "PasskeyPrompt",
     "SamplingConfig",
     "check_context",
+    "decode",
     "generate",
+    "load_context",
     "load_model",
     "make_policy",
     "passkey_prompt",
     "policy_names",
+    "prefill",
+    "save_context",
 ]

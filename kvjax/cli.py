@@ -73,8 +73,9 @@ def parse_rope_scaling(spec: str | None, original_max_position: int) -> RopeScal
     raise app.UsageError(str(e)) from None
 
 
-def policy_options(policy_cls, flag_values) -> dict:
+def policy_options(policy_cls, flag_values, *, policy_name: str | None = None) -> dict:
   """Options for `policy_cls` from the given policy flags; an inapplicable flag is an error."""
+  policy_name = policy_name or flag_values.policy
   fields = set(getattr(policy_cls, "__dataclass_fields__", {}))
   options = {}
   for flag, option in POLICY_FLAGS.items():
@@ -82,7 +83,7 @@ def policy_options(policy_cls, flag_values) -> dict:
     if value is None:
       continue
     if option not in fields:
-      raise app.UsageError(f"--{flag} does not apply to --policy={flag_values.policy}")
+      raise app.UsageError(f"--{flag} does not apply to --policy={policy_name}")
     options[option] = tuple(int(x) for x in value) if flag == "dense_layers" else value
   return options
 

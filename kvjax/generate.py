@@ -1,4 +1,6 @@
-"""`generate()`: prompts in, text out, with the timings a long-context user asks for first."""
+"""Prompts in, text out: `prefill()` builds a context, `decode()` continues it, `generate()`
+does both. A prefilled context can be saved and loaded (kvjax.context_cache), so decode
+never waits for a second prefill."""
 
 from __future__ import annotations
 
@@ -106,52 +108,75 @@ def _state_bytes(state) -> int:
   return sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
 
 
-def generate(
+@dataclasses.dataclass
+class PrefilledContext:
+  """A batch of prompts run through the model, ready to decode.
+
+  Decoding consumes it (the policy state is donated to the decode steps and the host store
+  grows): decode it once, or save it first and load a fresh copy per decode.
+
+  Attributes:
+    model_name, config_hash, dtype: the identity of the model that made it.
+    policy: the attention policy the state belongs to.
+    state: the policy state after `finish_prefill` (decode layout).
+    prompt_lengths: tokens per prompt.
+    capacity: positions the state holds (prompt + the generation it was sized for).
+    last_hidden: [batch, hidden] hidden state of each prompt's last token.
+    prefill_seconds: wall time of the prefill (compilation included on a first call).
+  """
+
+  model_name: str
+  config_hash: str
+  dtype: str
+  policy: AttentionPolicy
+  state: Any
+  prompt_lengths: list[int]
+  capacity: int
+  last_hidden: Any
+  prefill_seconds: float = 0.0
+  metadata: dict = dataclasses.field(default_factory=dict)  # the caller's notes, saved with the context
+  spent: bool = False
+  _release: Callable[[], None] = lambda: None
+
+  def close(self) -> None:
+    """Frees the host side (store and indexes) of the context."""
+    self._release()
+    self.spent = True
+
+
+def prefill(
     model,
     prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 256,
     policy: str | AttentionPolicy = "full",
     policy_options: dict[str, Any] | None = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    stop_tokens: Sequence[int] | None = None,
     chat: bool | None = None,
     prefill_chunk: int = 1024,
-    return_logits: bool = False,
     on_prefill_progress: Callable[[int, int], None] | None = None,
-) -> GenerationResult:
-  """Generates continuations of one or several prompts.
+) -> PrefilledContext:
+  """Runs the prompts through the model and prepares the policy's decode state.
 
   Args:
     model: a `models.registry.LoadedModel` (anything with cfg, params, tokenizer).
     prompts: a string, a list of strings, a list of token ids, or a list of such lists.
       Prompts may differ in length (batch with per-sequence lengths).
-    max_new_tokens: tokens to generate per sequence (stop tokens end a sequence earlier).
+    max_new_tokens: generation the context is sized for (dense caches reserve room for it).
     policy: attention policy name or object (see kvjax.policies).
     policy_options: keyword options of the named policy.
-    temperature, top_p: sampling (temperature 0 is greedy).
-    seed: PRNG seed of the sampler.
-    stop_tokens: ids that end a sequence; default: the tokenizer's end-of-turn ids.
     chat: wrap string prompts in the model's chat template; default: when it has one.
     prefill_chunk: prompt tokens per prefill step (bounds activation memory).
-    return_logits: keep every step's logits [steps, batch, vocab] (for tests and studies).
     on_prefill_progress: called with (tokens done, tokens total) after each chunk.
   """
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   if prefill_chunk < 1:
     raise ValueError(f"{prefill_chunk=} must be >= 1")
-  sampling = SamplingConfig(temperature=temperature, top_p=top_p)
   attention = make_policy(policy, **(policy_options or {}))
   cfg = model.cfg
   encoded = _encode_prompts(model, prompts, chat=chat)
   lengths = [len(ids) for ids in encoded]
   check_context(cfg, max(lengths), max_new_tokens)
-  if stop_tokens is None:
-    stop_tokens = sorted(model.tokenizer.eos_ids) if model.tokenizer is not None else []
-  stop = set(int(t) for t in stop_tokens)
 
   batch = len(encoded)
   padded_len = -(-max(lengths) // prefill_chunk) * prefill_chunk
@@ -159,50 +184,101 @@ def generate(
   capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
   dtype = jnp.dtype(cfg.dtype)
   rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, capacity))
-
   tokens = np.zeros((batch, padded_len), np.int32)
   for b, ids in enumerate(encoded):
     tokens[b, : len(ids)] = ids
-  state = attention.init_state(cfg, batch, capacity, dtype)
-  release = attention.release_fn(state)
-  try:
-    return _run(model, attention, sampling, state, tokens, lengths, capacity, rope, stop, max_new_tokens=max_new_tokens,
-                seed=seed, prefill_chunk=prefill_chunk, return_logits=return_logits,
-                on_prefill_progress=on_prefill_progress)
-  finally:
-    release()
-
-
-def _run(model, attention, sampling, state, tokens, lengths, capacity, rope, stop, *, max_new_tokens, seed,
-         prefill_chunk, return_logits, on_prefill_progress):
-  cfg = model.cfg
-  batch, padded_len = tokens.shape
-  dtype = jnp.dtype(cfg.dtype)
-  last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
-  state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
-  last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
 
   start = time.perf_counter()
-  for begin in range(0, padded_len, prefill_chunk):
-    chunk = jnp.asarray(tokens[:, begin : begin + prefill_chunk])
-    positions = jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), chunk.shape)
-    last_hidden, state = engine.prefill_chunk(
-        model.params, rope, chunk, positions, last_index, last_hidden, state, cfg=cfg, policy=attention)
-    if on_prefill_progress is not None:
-      jax.block_until_ready(last_hidden)
-      on_prefill_progress(min(begin + prefill_chunk, max(lengths)), max(lengths))
-  state = attention.finish_prefill(cfg, state)
+  state = attention.init_state(cfg, batch, capacity, dtype)
+  release = attention.release_fn(state)  # taken before the state is donated
+  try:
+    state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
+    last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
+    last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
+    for begin in range(0, padded_len, prefill_chunk):
+      chunk = jnp.asarray(tokens[:, begin : begin + prefill_chunk])
+      positions = jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), chunk.shape)
+      last_hidden, state = engine.prefill_chunk(
+          model.params, rope, chunk, positions, last_index, last_hidden, state, cfg=cfg, policy=attention)
+      if on_prefill_progress is not None:
+        jax.block_until_ready(last_hidden)
+        on_prefill_progress(min(begin + prefill_chunk, max(lengths)), max(lengths))
+    state = attention.finish_prefill(cfg, state)
+    jax.block_until_ready(last_hidden)
+  except BaseException:
+    release()
+    raise
+  return PrefilledContext(
+      model_name=cfg.name, config_hash=cfg.config_hash(), dtype=cfg.dtype, policy=attention, state=state,
+      prompt_lengths=lengths, capacity=capacity, last_hidden=last_hidden,
+      prefill_seconds=time.perf_counter() - start, _release=release)
+
+
+def check_model(model, context: PrefilledContext) -> None:
+  """Refuses a context made by another model (name, architecture hash or dtype)."""
+  cfg = model.cfg
+  theirs = (context.model_name, context.config_hash, context.dtype)
+  ours = (cfg.name, cfg.config_hash(), cfg.dtype)
+  if theirs != ours:
+    raise ValueError(f"context was made by model {theirs} (name, config hash, dtype), not by {ours}")
+
+
+def decode(
+    model,
+    context: PrefilledContext,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    return_logits: bool = False,
+) -> GenerationResult:
+  """Generates from a prefilled context, which it consumes (see PrefilledContext).
+
+  Args:
+    model: the model that prefilled the context.
+    context: from `prefill()` or `kvjax.load_context()`.
+    max_new_tokens: tokens to generate per sequence (stop tokens end a sequence earlier).
+    temperature, top_p: sampling (temperature 0 is greedy).
+    seed: PRNG seed of the sampler.
+    stop_tokens: ids that end a sequence; default: the tokenizer's end-of-turn ids.
+    return_logits: keep every step's logits [steps, batch, vocab] (for tests and studies).
+  """
+  if context.spent:
+    raise ValueError("this context was decoded already: load it again from disk to decode it anew")
+  check_model(model, context)
+  if max_new_tokens < 1:
+    raise ValueError(f"{max_new_tokens=} must be >= 1")
+  room = context.capacity - max(context.prompt_lengths)
+  if max_new_tokens > room:
+    raise ValueError(f"{max_new_tokens=} exceeds the {room} positions the context was prefilled for")
+  sampling = SamplingConfig(temperature=temperature, top_p=top_p)
+  if stop_tokens is None:
+    stop_tokens = sorted(model.tokenizer.eos_ids) if model.tokenizer is not None else []
+  stop = set(int(t) for t in stop_tokens)
+  try:
+    return _decode(model, context, sampling, stop, max_new_tokens=max_new_tokens, seed=seed,
+                   return_logits=return_logits)
+  finally:
+    context.close()
+
+
+def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logits) -> GenerationResult:
+  cfg, attention, state = model.cfg, context.policy, context.state
+  context.state = None  # donated below
+  batch = len(context.prompt_lengths)
+  rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))
   key = jax.random.key(seed)
   key, sub = jax.random.split(key)
-  next_tokens, logits = engine.first_token(model.params, last_hidden, sub, cfg=cfg, sampling=sampling)
+  next_tokens, logits = engine.first_token(model.params, context.last_hidden, sub, cfg=cfg, sampling=sampling)
   next_tokens = np.asarray(next_tokens)
-  prefill_seconds = time.perf_counter() - start
 
   generated: list[list[int]] = [[] for _ in range(batch)]
   done = np.zeros(batch, bool)
   step_logits = [np.asarray(logits)] if return_logits else []
   step_seconds = []
-  positions = np.asarray(lengths, np.int32)
+  positions = np.asarray(context.prompt_lengths, np.int32)
   for step in range(max_new_tokens):
     for b in range(batch):
       if not done[b]:
@@ -230,8 +306,8 @@ def _run(model, attention, sampling, state, tokens, lengths, capacity, rope, sto
   return GenerationResult(
       texts=texts,
       tokens=generated,
-      prompt_lengths=lengths,
-      prefill_seconds=prefill_seconds,
+      prompt_lengths=list(context.prompt_lengths),
+      prefill_seconds=context.prefill_seconds,
       decode_seconds=step_seconds[1:] if len(step_seconds) > 1 else step_seconds,
       policy=attention.describe(),
       kv_bytes=_state_bytes(state),
@@ -239,3 +315,30 @@ def _run(model, attention, sampling, state, tokens, lengths, capacity, rope, sto
       logits=np.stack(step_logits) if return_logits else None,
       policy_stats=attention.stats(state),
   )
+
+
+def generate(
+    model,
+    prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    policy: str | AttentionPolicy = "full",
+    policy_options: dict[str, Any] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_tokens: Sequence[int] | None = None,
+    chat: bool | None = None,
+    prefill_chunk: int = 1024,
+    return_logits: bool = False,
+    on_prefill_progress: Callable[[int, int], None] | None = None,
+) -> GenerationResult:
+  """Prefills the prompts and generates their continuations (`prefill` then `decode`).
+
+  Args: see `prefill` and `decode`; `max_new_tokens` serves both.
+  """
+  SamplingConfig(temperature=temperature, top_p=top_p)  # bad sampling options fail before any work
+  context = prefill(model, prompts, max_new_tokens=max_new_tokens, policy=policy, policy_options=policy_options,
+                    chat=chat, prefill_chunk=prefill_chunk, on_prefill_progress=on_prefill_progress)
+  return decode(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                stop_tokens=stop_tokens, return_logits=return_logits)

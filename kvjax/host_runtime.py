@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import os
 import threading
 import time
 import traceback
@@ -75,14 +76,32 @@ class HostStats:
     return out
 
 
+def default_background_threads() -> int:
+  """Half the cores this process may run on (at least 1): the speculative background search
+  leaves the other half to the critical path (insert, corrections, attention, the device)."""
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    cores = os.cpu_count() or 1
+  return max(1, cores // 2)
+
+
 class HostRuntime:
-  """One run's host context, retrieval settings and error log."""
+  """One run's host context, retrieval settings and error log.
+
+  background_threads: OpenMP threads of the speculative background search (default half the
+  cores, `default_background_threads`); the critical path uses all of them.
+  """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
-    self.speculative, self.tau, self.background_threads = speculative, tau, background_threads
+    self.speculative, self.tau = speculative, tau
+    self.background_threads = default_background_threads() if background_threads is None else int(
+        background_threads)
+    if self.background_threads < 1:
+      raise ValueError(f"background_threads={background_threads} must be >= 1")
     self.stats = HostStats()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
@@ -118,12 +137,25 @@ class HostRuntime:
     Returns:
       o [B, Hq, D] float32, lse [B, Hq] float32.
     """
+    previous = None
+    if self.speculative:
+      # The background search of this layer reads the index that this step's insert changes
+      # (a full neighbour list is re-pruned in place): wait for it first, so its result is the
+      # same whatever the timing. It had every other layer's callback to finish.
+      pending = self._pending.pop(layer, None)
+      if pending is not None:
+        t_wait = time.perf_counter()
+        previous = pending.result()
+        self.stats.wait_seconds += time.perf_counter() - t_wait
     t0 = time.perf_counter()
-    for b in np.flatnonzero(evicted_pos >= 0):
-      start = int(evicted_pos[b]) - self.sinks  # store index: host tokens start after the sinks
-      added = self.context.insert(int(b), layer, start, evicted_k[b][:, None], evicted_v[b][:, None],
-                                  queries=evicted_q[b][:, None])
-      self.stats.inserted_tokens += added
+    rows = np.flatnonzero(evicted_pos >= 0)
+    if rows.size:
+      # Store index: host tokens start after the sinks. One C call inserts into every index
+      # of every sequence of this layer, one thread per index.
+      added = self.context.insert_many(
+          rows, np.full(rows.size, layer), np.asarray(evicted_pos)[rows].astype(np.int64) - self.sinks,
+          evicted_k[rows][:, :, None], evicted_v[rows][:, :, None], queries=evicted_q[rows][:, :, None])
+      self.stats.inserted_tokens += int(added.sum())
     t1 = time.perf_counter()
     self.stats.insert_seconds += t1 - t0
     if not self.speculative:
@@ -131,7 +163,7 @@ class HostRuntime:
       self.stats.attend_seconds += time.perf_counter() - t1
       self._count_scanned(scanned)
       return o, lse
-    return self._speculative_layer(layer, queries, evicted_pos)
+    return self._speculative_layer(layer, queries, evicted_pos, previous)
 
   # -- speculative retrieval (FreeKV's reuse applied to the vector index) ----------------
 
@@ -140,29 +172,9 @@ class HostRuntime:
     self.stats.searched_heads += int(np.size(scanned))
 
   def _search(self, layer: int, queries, heads=None, threads=None):
-    """Top-k store ids [B, Hq, k] of every (seq, query head) in `heads` (default all)."""
-    ctx = self.context
-    B, Hq, _ = queries.shape
-    group = Hq // ctx.num_kv_heads
-    ids = np.full((B, Hq, self.topk), -1, np.int64)
-    scanned = np.zeros((B, Hq), np.int64)
-    for b in range(B):
-      if ctx.store.length(b, layer) == 0:
-        continue
-      for g in range(ctx.num_kv_heads):
-        members = [h for h in range(g * group, (g + 1) * group) if heads is None or heads[b, h]]
-        if not members:
-          continue
-        if ctx.per_q_head:
-          for h in members:
-            found, _, count = ctx.index(b, layer, h).search(queries[b, h][None], self.topk, ef=self.ef,
-                                                            threads=threads)
-            ids[b, h], scanned[b, h] = found[0], count[0]
-        else:  # the query heads of a group share their KV head's index
-          found, _, count = ctx.index(b, layer, g).search(queries[b, members], self.topk, ef=self.ef,
-                                                          threads=threads)
-          ids[b, members], scanned[b, members] = found, count
-    return ids, scanned
+    """Top-k store ids [B, Hq, k] and scanned [B, Hq] of every (seq, query head) in `heads`
+    ([B, Hq] bool, default all; the others get -1 / 0): one GIL-free C call."""
+    return self.context.search(layer, queries, k=self.topk, ef=self.ef, heads=heads, threads=threads)
 
   def _background_search(self, layer: int, queries):
     t0 = time.perf_counter()
@@ -170,20 +182,19 @@ class HostRuntime:
     self.stats.background_seconds += time.perf_counter() - t0
     return result
 
-  def _speculative_layer(self, layer: int, queries, evicted_pos):
+  def _speculative_layer(self, layer: int, queries, evicted_pos, background):
+    """background: the (ids, scanned) of the search launched with the previous step's query,
+    already waited for (decode_layer), or None."""
     t0 = time.perf_counter()
     B, Hq, _ = queries.shape
     Hkv = self.context.num_kv_heads
     previous = self._previous_query.get(layer)
-    pending = self._pending.pop(layer, None)
     extra = np.full((B, 1), -1, np.int64)  # the token evicted this step is not in an older search
-    if previous is None or pending is None:
+    if previous is None or background is None:
       ids, scanned = self._search(layer, queries)
       correct = np.ones((B, Hkv), bool)
     else:
-      t_wait = time.perf_counter()
-      ids, scanned = pending.result()  # ids of the previous query: the speculative selection
-      self.stats.wait_seconds += time.perf_counter() - t_wait
+      ids, scanned = background  # ids of the previous query: the speculative selection
       self._score_reuse(layer, ids)
       correct = _group_mean_cosine(queries, previous, Hkv) < self.tau  # [B, Hkv]
       if correct.any():
@@ -214,36 +225,35 @@ class HostRuntime:
     used = self._used_ids.get(layer)
     if used is None:
       return
-    for row_used, row_fresh in zip(used.reshape(-1, used.shape[-1]), fresh_ids.reshape(-1, fresh_ids.shape[-1])):
-      reused = row_used[row_used >= 0]
-      self.stats.reused_hits += len(np.intersect1d(reused, row_fresh[row_fresh >= 0]))
-      self.stats.reused_total += len(reused)
+    hits, total = reuse_hits(used, fresh_ids)
+    self.stats.reused_hits += hits
+    self.stats.reused_total += total
 
   def _attend_ids(self, layer: int, queries, ids):
-    """Attention of queries [B, Hq, D] over given store ids [B, Hq, n] (-1 = none) -> (o, lse)."""
-    B, Hq, D = queries.shape
-    group = Hq // self.context.num_kv_heads
-    o = np.zeros((B, Hq, D), np.float32)
-    lse = np.full((B, Hq), -np.inf, np.float32)
-    kv_head = np.arange(Hq) // group
-    for b in range(B):
-      k_buf, v_buf, n = self.context.store.buffers(b, layer)
-      valid = (ids[b] >= 0) & (ids[b] < n)  # [Hq, n_ids]
-      if not valid.any():
-        continue
-      safe = np.where(valid, ids[b], 0)
-      keys = self.context.store._as_float(k_buf[kv_head[:, None], safe])  # [Hq, n_ids, D]
-      values = self.context.store._as_float(v_buf[kv_head[:, None], safe])
-      scores = np.einsum("hd,hnd->hn", queries[b], keys) * self.scale
-      scores = np.where(valid, scores, -np.inf)
-      top = scores.max(axis=-1, keepdims=True)
-      top = np.where(np.isfinite(top), top, 0.0)
-      weights = np.exp(scores - top)
-      total = weights.sum(axis=-1, keepdims=True)
-      nonempty = total[:, 0] > 0
-      o[b] = np.where(nonempty[:, None], np.einsum("hn,hnd->hd", weights, values) / np.maximum(total, 1e-30), 0)
-      lse[b] = np.where(nonempty, (np.log(np.maximum(total[:, 0], 1e-30)) + top[:, 0]), -np.inf)
-    return o, lse
+    """Attention of queries [B, Hq, D] over given store ids [B, Hq, n] (-1 = none) -> (o, lse):
+    one C call on the critical path (all threads; small layers stay on this thread)."""
+    return self.context.attend_ids(layer, queries, ids, scale=self.scale)
+
+
+def reuse_hits(
+    used,  # [..., k] int: ids used (-1 = none), distinct within a row
+    fresh,  # [..., k'] int: the exact search result of the same query (-1 = none)
+):
+  """(valid used ids found in the same row of `fresh`, valid used ids), vectorized."""
+  used, fresh = np.asarray(used, np.int64), np.asarray(fresh, np.int64)
+  rows_count = int(np.prod(used.shape[:-1]))
+  used, fresh = used.reshape(rows_count, used.shape[-1]), fresh.reshape(rows_count, fresh.shape[-1])
+  if used.size == 0:
+    return 0, 0
+  # Offset each row into its own id range so one sorted search covers every row.
+  span = int(max(used.max(initial=-1), fresh.max(initial=-1))) + 2
+  rows = np.arange(used.shape[0], dtype=np.int64)[:, None] * span
+  keys = np.sort((fresh + 1 + rows).ravel())  # -1 maps to the row's slot 0
+  valid = used >= 0
+  probe = (used + 1 + rows)[valid]
+  at = np.minimum(np.searchsorted(keys, probe), max(keys.size - 1, 0))
+  hits = int(np.count_nonzero(keys[at] == probe)) if keys.size else 0
+  return hits, int(np.count_nonzero(valid))
 
 
 def _group_mean_cosine(

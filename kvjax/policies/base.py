@@ -21,6 +21,9 @@ class AttentionPolicy(abc.ABC):
   """Base class of attention policies (full, streaming, quest, retrieval, freekv)."""
 
   name: str = "abstract"
+  # Options that may differ between prefill and decode of a saved context (they do not
+  # shape the state); a plain class attribute, not a dataclass field.
+  decode_options = ("implementation",)
 
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:
@@ -55,6 +58,14 @@ class AttentionPolicy(abc.ABC):
   def check(self, state: Any) -> None:
     """Raises any error the host side recorded during the last step."""
 
+  def host_context(self, state: Any):
+    """The host_index.HostContext behind `state`, None for device-only policies."""
+    return None
+
+  def attach_host(self, cfg: ModelConfig, state: Any, context) -> Any:
+    """Binds a loaded host context to a loaded state (see HostBackedMixin)."""
+    raise ValueError(f"policy {self.name!r} keeps nothing on the host")
+
   def stats(self, state: Any) -> dict:
     """Counters of the run so far (host time, correction and hit rates...); {} if none."""
     return {}
@@ -87,6 +98,46 @@ class DenseLayersMixin:
     for i, l in enumerate(self.dense_layer_ids(cfg)):
       table[l] = i
     return jnp.asarray(table)[layer]
+
+
+class HostBackedMixin:
+  """For policies whose state names a host runtime (kvjax.host_runtime) by its id.
+
+  Subclasses implement `new_runtime(cfg, context)`: wrap a host_index.HostContext in a
+  registered runtime configured by the policy's options. `attach_host` uses it when a saved
+  context is loaded, so decode-time options (top-k, speculation, tau) may differ from the
+  ones the context was prefilled with.
+  """
+
+  def new_runtime(self, cfg: ModelConfig, context):
+    raise NotImplementedError
+
+  def runtime(self, state):
+    from kvjax import host_runtime
+
+    return host_runtime.lookup(int(state.runtime_id))
+
+  def check(self, state) -> None:
+    from kvjax import host_runtime
+
+    runtime = self.runtime(state)
+    if runtime is None:
+      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
+    runtime.raise_errors()
+    if int(state.status) != host_runtime.STATUS_OK:
+      raise RuntimeError(f"{self.name} host callback returned status {int(state.status)}")
+
+  def release_fn(self, state):
+    runtime = self.runtime(state)
+    return runtime.close if runtime is not None else (lambda: None)
+
+  def host_context(self, state):
+    runtime = self.runtime(state)
+    return None if runtime is None else runtime.context
+
+  def attach_host(self, cfg: ModelConfig, state, context):
+    runtime = self.new_runtime(cfg, context)
+    return state.replace(runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
 
 
 def layer_window(cfg: ModelConfig, layer):

@@ -71,7 +71,7 @@ import host_index
 import ops
 from kvjax import freekv_host
 from kvjax import host_runtime
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
@@ -225,7 +225,7 @@ def _prompt_summaries(
 
 
 @dataclasses.dataclass(frozen=True)
-class FreeKVAttention(DenseLayersMixin, AttentionPolicy):
+class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   """FreeKV; see the module docstring.
 
   Attributes:
@@ -252,6 +252,7 @@ class FreeKVAttention(DenseLayersMixin, AttentionPolicy):
   dense_layers: tuple[int, ...] = (0,)
   implementation: str = "auto"
   name: str = "freekv"
+  decode_options = ("speculative", "tau", "implementation")
 
   def __post_init__(self):
     for field, low in (("budget", 1), ("page_size", 1), ("sinks", 0), ("window", 1)):
@@ -310,10 +311,9 @@ class FreeKVAttention(DenseLayersMixin, AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FreeKVState:
     L, H, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     S, W, P, n = self.sinks, self.window, self.page_size, self.n_sel
-    sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
     num_pages = max(1, -(-(capacity - S) // P))
     context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
-    runtime = freekv_host.FreeKVRuntime(context, sinks=S, page_size=P, sync_recall=self.recall, sparse_layers=sparse)
+    runtime = self.new_runtime(cfg, context)
     ring = (L, batch, H, S + W + P, D)
     pages = (L, batch, H, num_pages, D)
     pool = (L, batch, H, n, P, D)
@@ -331,20 +331,10 @@ class FreeKVAttention(DenseLayersMixin, AttentionPolicy):
   def begin_prefill(self, cfg, state: FreeKVState, prompt_lengths) -> FreeKVState:
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
 
-  def runtime(self, state: FreeKVState) -> freekv_host.FreeKVRuntime | None:
-    return host_runtime.lookup(int(state.runtime_id))
-
-  def check(self, state: FreeKVState) -> None:
-    runtime = self.runtime(state)
-    if runtime is None:
-      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
-    runtime.raise_errors()
-    if int(state.status) != host_runtime.STATUS_OK:
-      raise RuntimeError(f"freekv host callback returned status {int(state.status)}")
-
-  def release_fn(self, state: FreeKVState):
-    runtime = self.runtime(state)
-    return runtime.close if runtime is not None else (lambda: None)
+  def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
+    sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
+    return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
+                                     sparse_layers=sparse)
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""

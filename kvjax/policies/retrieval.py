@@ -32,7 +32,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import host_runtime
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
 from models.config import ModelConfig
 
@@ -52,7 +52,7 @@ class RetrievalState:
 
 
 @dataclasses.dataclass(frozen=True)
-class RetrievalAttention(DenseLayersMixin, AttentionPolicy):
+class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   """Options:
 
   index: host index kind, "roar" (attention-aware), "graph", "ivf" or "flat" (exact).
@@ -81,6 +81,7 @@ class RetrievalAttention(DenseLayersMixin, AttentionPolicy):
   tau: float = 0.8
   implementation: str = "auto"
   name: str = "retrieval"
+  decode_options = ("topk", "ef", "speculative", "tau", "implementation")
 
   def __post_init__(self):
     if self.index not in INDEX_KINDS:
@@ -109,9 +110,7 @@ class RetrievalAttention(DenseLayersMixin, AttentionPolicy):
     ring = (L, batch, Hkv, self.sinks + self.window, D)
     context = host_index.HostContext(
         batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index)
-    runtime = host_runtime.HostRuntime(context, sinks=self.sinks, window=self.window, topk=self.topk,
-                                       ef=self.ef, scale=cfg.attn_scale, speculative=self.speculative,
-                                       tau=self.tau)
+    runtime = self.new_runtime(cfg, context)
     train = min(self.train_queries, capacity)
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
@@ -125,24 +124,15 @@ class RetrievalAttention(DenseLayersMixin, AttentionPolicy):
   def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
 
-  def runtime(self, state: RetrievalState) -> host_runtime.HostRuntime:
-    return host_runtime.lookup(int(state.runtime_id))
-
-  def check(self, state: RetrievalState) -> None:
-    runtime = self.runtime(state)
-    if runtime is None:
-      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
-    runtime.raise_errors()
-    if int(state.status) != host_runtime.STATUS_OK:
-      raise RuntimeError(f"host callback returned status {int(state.status)}")
+  def new_runtime(self, cfg: ModelConfig, context) -> host_runtime.HostRuntime:
+    if context.kind != self.index:
+      raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
+    return host_runtime.HostRuntime(context, sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef,
+                                    scale=cfg.attn_scale, speculative=self.speculative, tau=self.tau)
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
     return runtime.stats.as_dict() if runtime is not None else {}
-
-  def release_fn(self, state: RetrievalState):
-    runtime = self.runtime(state)
-    return runtime.close if runtime is not None else (lambda: None)
 
   # -- attention -------------------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""Saving and loading prefilled contexts, so decode never waits for a second prefill.
+
+A saved context is a directory, written under a temporary name and renamed into place:
+
+    manifest.json   format version, model identity, policy and options, prompt lengths,
+                    capacity, the state's structure with each leaf's shape, dtype and crc32
+    state/          the policy state's device arrays and the prompts' last hidden states (orbax)
+    host.bin        the host store and indexes (host_index persistence, itself checksummed)
+
+Loading checks the model identity (name, architecture hash, dtype), every leaf's shape,
+dtype and checksum, and the host file's own checksums; any mismatch is a ValueError before
+the context is used. Decode-time options (e.g. retrieval's top-k, speculation and tau) may
+differ from those the context was prefilled with; options that shape the state may not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import pathlib
+import shutil
+import uuid
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.generate import PrefilledContext, check_model
+from kvjax.policies import make_policy
+
+FORMAT = "kvjax-context"
+VERSION = 1
+_STATE_MODULE_PREFIX = "kvjax."  # state classes are only ever imported from kvjax itself
+
+
+def _crc32(array) -> int:
+  return zlib.crc32(np.ascontiguousarray(np.asarray(array)).view(np.uint8)) & 0xFFFFFFFF
+
+
+def _describe_tree(node, leaves: list):
+  """JSON description of a state pytree of flax.struct dataclasses; arrays go to `leaves`."""
+  if dataclasses.is_dataclass(node):
+    cls = type(node)
+    fields = {}
+    for f in dataclasses.fields(node):
+      value = getattr(node, f.name)
+      if f.metadata.get("pytree_node", True):
+        fields[f.name] = _describe_tree(value, leaves)
+      else:  # static metadata (python scalars), part of the tree structure
+        fields[f.name] = {"static": value}
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "fields": fields}
+  leaves.append(node)
+  return {"leaf": len(leaves) - 1}
+
+
+def _build_tree(desc, leaves: list):
+  if "leaf" in desc:
+    return leaves[desc["leaf"]]
+  if "static" in desc:
+    return desc["static"]
+  module_name, _, name = desc["class"].rpartition(".")
+  if not module_name.startswith(_STATE_MODULE_PREFIX):
+    raise ValueError(f"saved state names class {desc['class']!r} outside kvjax: refusing to load it")
+  cls = getattr(importlib.import_module(module_name), name)
+  return cls(**{field: _build_tree(sub, leaves) for field, sub in desc["fields"].items()})
+
+
+def _policy_options(policy) -> dict:
+  return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "name"}
+
+
+def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+  """Writes `context` (not yet decoded) to the directory `path`, atomically.
+
+  Args:
+    context: from kvjax.prefill().
+    path: the directory to create.
+    overwrite: replace an existing saved context at `path`.
+  """
+  import orbax.checkpoint as ocp
+
+  if context.spent or context.state is None:
+    raise ValueError("this context was decoded already; save it before decoding")
+  path = pathlib.Path(path)
+  if path.exists() and not overwrite:
+    raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")
+  leaves: list = []
+  structure = _describe_tree(context.state, leaves)
+  arrays = {f"leaf_{i}": leaf for i, leaf in enumerate(leaves)} | {"last_hidden": context.last_hidden}
+  policy = context.policy
+  manifest = {
+      "format": FORMAT,
+      "version": VERSION,
+      "model": {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype},
+      "policy": {"name": policy.name, "options": _policy_options(policy)},
+      "prompt_lengths": list(context.prompt_lengths),
+      "capacity": context.capacity,
+      "prefill_seconds": context.prefill_seconds,
+      "metadata": context.metadata,
+      "structure": structure,
+      "arrays": {k: {"shape": list(v.shape), "dtype": str(v.dtype), "crc32": _crc32(v)} for k, v in arrays.items()},
+      "host": None,
+  }
+  tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+  tmp.mkdir(parents=True)
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    # orbax refuses zero-size arrays (e.g. a dense cache of no layers): the manifest's shape
+    # and dtype recreate those.
+    checkpointer.save(tmp / "state", {k: v for k, v in arrays.items() if v.size})
+    checkpointer.wait_until_finished()
+    host = policy.host_context(context.state)
+    if host is not None:
+      host.save(tmp / "host.bin", meta=manifest["model"])
+      manifest["host"] = "host.bin"
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, default=_json_default))
+    if path.exists():
+      old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+      os.replace(path, old)
+      os.replace(tmp, path)
+      shutil.rmtree(old)
+    else:
+      os.replace(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
+def _json_default(value):
+  if isinstance(value, tuple):
+    return list(value)
+  raise TypeError(f"cannot write {type(value).__name__} to a context manifest")
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+  """The manifest of a saved context (format checked), without loading any array."""
+  manifest_file = pathlib.Path(path) / "manifest.json"
+  if not manifest_file.is_file():
+    raise ValueError(f"{str(path)!r} is not a saved kvjax context (no manifest.json)")
+  try:
+    manifest = json.loads(manifest_file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{str(manifest_file)!r} is corrupt: {e}") from None
+  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    raise ValueError(f"{str(path)!r} holds format {found!r}, expected {FORMAT!r} version {VERSION}")
+  return manifest
+
+
+def load_context(path: str | os.PathLike, model, *, policy_options: dict | None = None) -> PrefilledContext:
+  """Reads a context written by `save_context` for `model`.
+
+  Args:
+    path: the saved context's directory.
+    model: the model to decode with; it must be the model that prefilled the context.
+    policy_options: decode-time options that override the saved ones (the policy's
+      `decode_options`, e.g. topk, ef, speculative, tau for retrieval).
+  """
+  import orbax.checkpoint as ocp
+
+  path = pathlib.Path(path)
+  manifest = read_manifest(path)
+  identity = manifest["model"]
+  probe = PrefilledContext(model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"],
+                           policy=None, state=None, prompt_lengths=[], capacity=0, last_hidden=None)
+  check_model(model, probe)
+
+  policy = _restore_policy(manifest["policy"], policy_options or {})
+  restored = ocp.StandardCheckpointer().restore(path / "state")
+  arrays = {}
+  for key, spec in manifest["arrays"].items():
+    if 0 in spec["shape"]:
+      array = jnp.zeros(spec["shape"], spec["dtype"])
+    elif key in restored:
+      array = jnp.asarray(restored[key])
+    else:
+      raise ValueError(f"saved context {str(path)!r} lacks array {key!r}")
+    if list(array.shape) != spec["shape"] or str(array.dtype) != spec["dtype"] or _crc32(array) != spec["crc32"]:
+      raise ValueError(f"array {key!r} of {str(path)!r} does not match its manifest (shape, dtype or checksum)")
+    arrays[key] = array
+  leaves = [arrays[f"leaf_{i}"] for i in range(len(manifest["arrays"]) - 1)]
+  state = _build_tree(manifest["structure"], leaves)
+  if manifest["host"] is not None:
+    import host_index
+
+    host = host_index.HostContext.load(path / manifest["host"], expect_meta=identity)
+    state = policy.attach_host(model.cfg, state, host)
+  return PrefilledContext(
+      model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"], policy=policy,
+      state=state, prompt_lengths=list(manifest["prompt_lengths"]), capacity=int(manifest["capacity"]),
+      last_hidden=arrays["last_hidden"], prefill_seconds=float(manifest["prefill_seconds"]),
+      metadata=dict(manifest.get("metadata") or {}), _release=policy.release_fn(state))
+
+
+def _restore_policy(saved: dict, overrides: dict):
+  options = {k: tuple(v) if isinstance(v, list) else v for k, v in saved["options"].items()}
+  base = make_policy(saved["name"], **options)
+  allowed = set(getattr(base, "decode_options", ()))
+  refused = sorted(set(overrides) - allowed)
+  if refused:
+    raise ValueError(f"options {refused} shape the saved state of policy {saved['name']!r} and cannot change "
+                     f"at decode; changeable: {sorted(allowed)}")
+  return make_policy(saved["name"], **(options | overrides))
