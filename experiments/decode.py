@@ -51,6 +51,11 @@ def _progress(done: int, total: int) -> None:
     print(f"\rprefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
+def _index_progress(done: int, total: int) -> None:
+  print(f"\roffloaded and indexed layer {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
+        flush=True)
+
+
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax and XLA log every save at INFO
   if len(argv) > 1:
@@ -82,7 +87,8 @@ def main(argv):
   else:
     prompt, passkey = _prompt(model)
     context = kvjax.prefill(model, [prompt] * FLAGS.batch, max_new_tokens=FLAGS.max_new_tokens, policy=policy,
-                            prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress)
+                            prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress,
+                            on_index_progress=_index_progress)
     context.metadata["passkey"] = passkey
     if FLAGS.save_context:
       kvjax.save_context(context, FLAGS.save_context)

@@ -154,6 +154,7 @@ def prefill(
     chat: bool | None = None,
     prefill_chunk: int = 1024,
     on_prefill_progress: Callable[[int, int], None] | None = None,
+    on_index_progress: Callable[[int, int], None] | None = None,
 ) -> PrefilledContext:
   """Runs the prompts through the model and prepares the policy's decode state.
 
@@ -167,6 +168,8 @@ def prefill(
     chat: wrap string prompts in the model's chat template; default: when it has one.
     prefill_chunk: prompt tokens per prefill step (bounds activation memory).
     on_prefill_progress: called with (tokens done, tokens total) after each chunk.
+    on_index_progress: called with (layers done, layers total) while the policy offloads and
+      indexes the prompt (policies with a host side).
   """
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
@@ -203,7 +206,7 @@ def prefill(
       if on_prefill_progress is not None:
         jax.block_until_ready(last_hidden)
         on_prefill_progress(min(begin + prefill_chunk, max(lengths)), max(lengths))
-    state = attention.finish_prefill(cfg, state)
+    state = attention.finish_prefill(cfg, state, on_progress=on_index_progress)
     jax.block_until_ready(last_hidden)
   except BaseException:
     release()
