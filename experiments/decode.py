@@ -67,7 +67,10 @@ def main(argv):
     given = [f for f in ("prompt", "prompt_file", "context_len", "rope_scaling") if FLAGS[f].present]
     if given:
       raise app.UsageError(f"--{given[0]} does not apply with --load_context (the context holds the prompt)")
-    saved = context_cache.read_manifest(FLAGS.load_context)["policy"]["name"]
+    try:
+      saved = context_cache.read_manifest(FLAGS.load_context)["policy"]["name"]
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
     if FLAGS["policy"].present and FLAGS.policy != saved:
       raise app.UsageError(f"--policy={FLAGS.policy} but the saved context was prefilled with {saved}")
     overrides = cli.policy_options(type(make_policy(saved)), FLAGS, policy_name=saved)

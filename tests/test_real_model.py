@@ -35,14 +35,6 @@ def test_decode_cli_default_run_finds_the_pass_key(tmp_path):
   assert data["passkey_found"], data["answer"]
 
 
-def test_decode_cli_refuses_inapplicable_flag():
-  env = dict(os.environ, PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, str(REPO / "experiments" / "decode.py"), "--index=roar"],
-                        capture_output=True, text=True, env=env, timeout=300)
-  assert proc.returncode != 0
-  assert "--index does not apply to --policy=full" in proc.stderr
-
-
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 
 

@@ -1,0 +1,35 @@
+"""experiments/decode.py: flag checks and the save/load round trip, on a random tiny model."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def decode(*flags, timeout=600):
+  env = dict(os.environ, PYTHONPATH=str(REPO))
+  return subprocess.run([sys.executable, str(REPO / "experiments" / "decode.py"), *flags],
+                        capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_save_then_load_context_gives_the_same_tokens(tmp_path):
+  common = ["--model=random:tiny", "--max_new_tokens=12"]
+  saved = decode(*common, "--context_len=700", "--policy=retrieval", "--index=flat", "--sinks=16",
+                 "--window=64", f"--save_context={tmp_path / 'ctx'}", f"--json_out={tmp_path / 'a.json'}")
+  assert saved.returncode == 0, saved.stderr[-3000:]
+  loaded = decode(*common, f"--load_context={tmp_path / 'ctx'}", f"--json_out={tmp_path / 'b.json'}")
+  assert loaded.returncode == 0, loaded.stderr[-3000:]
+  a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+  assert a["answer"] == b["answer"]
+  assert b["context"].startswith("loaded from")
+  assert a["device"] and a["commit"] and a["jax"]  # results are stamped
+
+
+def test_flags_that_do_not_apply_are_errors(tmp_path):
+  bad = decode("--model=random:tiny", "--context_len=100", "--policy=full", "--retrieval_topk=5", timeout=300)
+  assert bad.returncode != 0 and "--retrieval_topk does not apply to --policy=full" in bad.stderr
+  missing = decode("--model=random:tiny", f"--load_context={tmp_path / 'none'}", timeout=300)
+  assert missing.returncode != 0 and "not a saved kvjax context" in missing.stderr
