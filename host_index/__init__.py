@@ -9,8 +9,8 @@ Public API:
   Index.search / insert / len                 one API for flat, ivf, graph, roar
   KVStore                                     per (seq, layer) head-major K/V store
   HostContext                                 store + per-(seq, layer, head) indexes:
-                                              build_layer, insert, attend, fetch_pages,
-                                              save / load
+                                              build_layer, insert / insert_many, attend,
+                                              search, attend_ids, fetch_pages, save / load
 """
 
 from host_index._context import HostContext

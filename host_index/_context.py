@@ -34,10 +34,13 @@ class StoreKeys:
 class HostContext:
     """Store + per-(seq, layer, head) indexes for one batch of contexts.
 
-    Thread safety: `attend` may run in one thread while another thread calls
-    `insert`/`append`/`build_layer` on the same or other (seq, layer)s: every
-    search sees each index as of the store length it read when the call
-    started (later tokens are ignored, never half-read). Two concurrent
+    Thread safety: `attend`/`search`/`attend_ids` may run in one thread while
+    another thread calls `insert`/`append`/`build_layer` on the same or other
+    (seq, layer)s: every search sees each index as of the store length it read
+    when the call started (later tokens are ignored, never half-read), though
+    an insert that re-prunes a full neighbour list can change which of the old
+    tokens a concurrent graph search reaches (wait for the search first for a
+    timing-independent result, as kvjax.host_runtime does). Two concurrent
     mutations of the same (seq, layer) (insert vs build_layer) must be ordered
     by the caller; mutations of different (seq, layer)s need no locking.
     """
@@ -164,33 +167,118 @@ class HostContext:
                threads=None) -> int:
         """Stores tokens and adds them to every index of (seq, layer).
 
+        The indexes of (seq, layer) are extended in one C call, one thread per
+        index head (see `insert_many`).
+
         Args:
             start: store index of the first token (overlap skipped, gap = error).
             keys, values: [Hkv, n, D].
             queries: [Hq, n, D] or None: each token's own query; roar links a
                 new key through it (its training query); other kinds ignore it.
+            threads: OpenMP threads (default: all; at most one per index head).
 
         Returns:
             The number of new tokens stored.
         """
+        keys, values = np.asarray(keys), np.asarray(values)
+        for name, a in (("keys", keys), ("values", values)):
+            if a.ndim != 3:
+                raise ValueError(f"{name} {a.shape} must be [num_kv_heads, n, head_dim]")
+        q = None if queries is None else np.asarray(queries)[None]
+        return int(self.insert_many([seq], [layer], [start], keys[None], values[None],
+                                    queries=q, threads=threads)[0])
+
+    def insert_many(self, seqs, layers, starts, keys, values, *, queries=None,
+                    threads=None) -> np.ndarray:
+        """Stores tokens of several (seq, layer)s and extends all their indexes in one call.
+
+        E.g. the token leaving the device window of every sequence in a layer,
+        or of every layer of a step: the stores are appended first, then one
+        GIL-free C call extends every index of every (seq, layer), one thread
+        per index (a graph insert is 0.1-1 ms; the indexes are independent).
+
+        Args:
+            seqs, layers, starts: [T] int: distinct (seq, layer) pairs and the
+                store index of each one's first token (overlap skipped, gap =
+                error, as in `insert`).
+            keys, values: [T, Hkv, n, D] float32/float16/bfloat16, finite.
+            queries: [T, Hq, n, D] or None: each token's own query (roar links
+                a new key through it; other kinds ignore it).
+            threads: OpenMP threads (default: all; at most one per index).
+
+        Returns:
+            new [T] int64: tokens stored per (seq, layer).
+
+        Raises:
+            ValueError / TypeError / StoreFullError: as KVStore.append. Every
+            check but the NaN/inf and capacity ones happens before anything is
+            stored; when one of those fails for item i, items before it stay
+            stored and indexed.
+        """
+        seqs, layers, starts = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
+                                for a, name in ((seqs, "seqs"), (layers, "layers"),
+                                                (starts, "starts")))
+        T = len(seqs)
+        if len(layers) != T or len(starts) != T:
+            raise ValueError(f"{len(seqs)} seqs, {len(layers)} layers and {len(starts)} starts "
+                             "must be equally many")
+        if len(set(zip(seqs, layers))) != T:
+            raise ValueError("(seq, layer) pairs must be distinct")
+        for s, l, st in zip(seqs, layers, starts):
+            self.store._check(s, l)
+            _dtypes.positive_int(st, "start", allow_zero=True)
+            if st > self.store.length(s, l):
+                raise ValueError(f"start={st} leaves a gap after the {self.store.length(s, l)} "
+                                 f"stored tokens of seq={s} layer={l}")
+        kshape, vshape = np.shape(keys), np.shape(values)
+        want = (T, self.num_kv_heads)
+        if len(kshape) != 4 or kshape[:2] != want or kshape[3] != self.head_dim or kshape != vshape:
+            raise ValueError(f"keys {kshape} and values {vshape} must both be "
+                             f"[{T}, {self.num_kv_heads}, n, {self.head_dim}]")
+        n = kshape[2]
         q = None
         if queries is not None:
-            q = _dtypes.as_f32(queries, "queries", ndim=3, dim=self.head_dim)
-            if q.shape[0] != self.num_q_heads or q.shape[1] != np.shape(keys)[1]:
-                raise ValueError(f"queries {q.shape} must be [{self.num_q_heads}, n, D] with n "
-                                 f"= {np.shape(keys)[1]}")
-        new = self.store.append(seq, layer, start, keys, values, threads=threads)
-        total = self.store.length(seq, layer)
-        for h, ix in enumerate(self._ix[seq][layer]):
-            have = len(ix)
-            if have < start:  # tokens appended earlier without queries
-                ix.extend(start, threads=threads)
-                have = start
-            qh = None
-            if q is not None and self.per_q_head and have < total:
-                qh = np.ascontiguousarray(q[h, have - start:total - start])
-            ix.extend(total, queries=qh, threads=threads)
+            qshape = np.shape(queries)
+            if qshape != (T, self.num_q_heads, n, self.head_dim):
+                raise ValueError(f"queries {qshape} must be [{T}, {self.num_q_heads}, {n}, "
+                                 f"{self.head_dim}]")
+            if self.per_q_head:  # others ignore them
+                q = _dtypes.as_f32(np.reshape(queries, (-1, self.head_dim)), "queries", ndim=2,
+                                   dim=self.head_dim).reshape(qshape)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        new = np.zeros(T, np.int64)
+        done = 0
+        try:
+            for i, (s, l, st) in enumerate(zip(seqs, layers, starts)):
+                # One small append per (seq, layer): the C copy stays on this
+                # thread below ~64K elements (no team to wake).
+                new[i] = self.store.append(s, l, st, keys[i], values[i], threads=threads)
+                done = i + 1
+        finally:
+            self._extend(seqs[:done], layers[:done], starts[:done], q, nthreads)
         return new
+
+    def _extend(self, seqs, layers, starts, q, nthreads) -> None:
+        """Indexes every stored token of the (seq, layer)s in one C call.
+
+        q: [T, Hq, n, D] float32 (rows of tokens starts[i] ...) or None.
+        """
+        ixs, kbufs, heads, caps, totals, qstarts, qrows = [], [], [], [], [], [], []
+        for i, (s, l, st) in enumerate(zip(seqs, layers, starts)):
+            k, _, total = self.store.buffers(s, l)
+            for h, ix in enumerate(self._ix[s][l]):
+                if len(ix) >= total:
+                    continue
+                ixs.append(ix._c)
+                kbufs.append(k)
+                heads.append(h // self.group if self.per_q_head else h)
+                caps.append(k.shape[1])
+                totals.append(total)
+                qstarts.append(st)
+                qrows.append(None if q is None else q[i, h])
+        if ixs:
+            _core.insert_many(tuple(ixs), tuple(kbufs), tuple(heads), tuple(caps), tuple(totals),
+                              tuple(qstarts), tuple(qrows), self.store.code, nthreads)
 
     # -- compute ---------------------------------------------------------------
 
@@ -218,6 +306,27 @@ class HostContext:
             nothing is retrieved), scanned [B, Hq] int64, and with return_ids,
             ids [B, Hq, k] int64 (-1 padded).
         """
+        q, seqs, bufs = self._layer_args(layer, queries, seqs)
+        B = q.shape[0]
+        k = _dtypes.positive_int(k, "k", allow_zero=True)
+        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
+        scale = self.head_dim ** -0.5 if scale is None else float(scale)
+        if not np.isfinite(scale):
+            raise ValueError(f"scale={scale} must be finite")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        ixs = tuple(ix._c for s in seqs for ix in self._ix[s][layer])
+        o = np.empty(q.shape, np.float32)
+        lse = np.empty(q.shape[:2], np.float32)
+        scanned = np.empty(q.shape[:2], np.int64)
+        ids = np.empty(q.shape[:2] + (k,), np.int64) if return_ids else None
+        _core.attend(ixs, tuple(b[0] for b in bufs), tuple(b[1] for b in bufs),
+                     tuple(b[0].shape[1] for b in bufs), tuple(b[2] for b in bufs),
+                     self.store.code, self.num_kv_heads, self.head_dim, q, B, self.num_q_heads,
+                     self.per_q_head, k, ef, scale, o, lse, scanned, ids, nthreads)
+        return (o, lse, scanned, ids) if return_ids else (o, lse, scanned)
+
+    def _layer_args(self, layer, queries, seqs):
+        """Validated (queries f32 [B, Hq, D], seqs list, per-seq store buffers)."""
         q = _dtypes.as_f32(queries, "queries", ndim=3, dim=self.head_dim)
         B = q.shape[0]
         if q.shape[1] != self.num_q_heads:
@@ -229,23 +338,87 @@ class HostContext:
             raise ValueError("queries has no rows")
         for s in seqs:
             self.store._check(s, layer)
+        return q, seqs, [self.store.buffers(s, layer) for s in seqs]
+
+    def search(self, layer: int, queries, *, k: int, ef: int | None = None, heads=None,
+               seqs=None, threads: int | None = None):
+        """Top-k store ids of one layer for all (seq, query head), in one C call.
+
+        The search half of `attend`: (b, h) gets exactly what
+        `index(seqs[b], layer, h or h // G).search(queries[b, h], k, ef=ef)` returns.
+
+        Args:
+            layer: the layer.
+            queries: [B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite.
+            k: ids per query head (>= 0).
+            ef: search effort (graph/roar candidate list, ivf nprobe).
+            heads: [B, Hq] bool, the (seq, head)s to search (default all);
+                the others get ids -1 and scanned 0.
+            seqs: [B] sequence ids (default 0..B-1).
+            threads: OpenMP threads (default: all; at most one per searched head).
+
+        Returns:
+            ids [B, Hq, k] int64 (best first, -1 padded), scanned [B, Hq] int64.
+        """
+        q, seqs, bufs = self._layer_args(layer, queries, seqs)
+        B = q.shape[0]
         k = _dtypes.positive_int(k, "k", allow_zero=True)
         ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        mask = None
+        if heads is not None:
+            mask = np.asarray(heads)
+            if mask.shape != (B, self.num_q_heads) or mask.dtype != np.bool_:
+                raise ValueError(f"heads {mask.shape} {mask.dtype} must be a bool "
+                                 f"[{B}, {self.num_q_heads}] mask")
+            mask = np.ascontiguousarray(mask)
+        ixs = tuple(ix._c for s in seqs for ix in self._ix[s][layer])
+        ids = np.empty((B, self.num_q_heads, k), np.int64)
+        scanned = np.empty((B, self.num_q_heads), np.int64)
+        _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
+                     tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
+                     self.head_dim, q, B, self.num_q_heads, self.per_q_head, k, ef, mask, ids,
+                     scanned, nthreads)
+        return ids, scanned
+
+    def attend_ids(self, layer: int, queries, ids, *, scale: float | None = None, seqs=None,
+                   threads: int | None = None):
+        """Host partial attention of one layer over given store ids, in one C call.
+
+        For each (b, h): softmax(scale * q.k) over the keys ids[b, h] of query
+        head h's KV head and the weighted sum of their values. Ids < 0 (e.g.
+        -1 padding) or at or past the store length are skipped; a repeated id
+        counts each time it appears.
+
+        Args:
+            layer: the layer.
+            queries: [B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite.
+            ids: [B, Hq, n] int store indices.
+            scale: score scale (default head_dim ** -0.5).
+            seqs: [B] sequence ids (default 0..B-1).
+            threads: OpenMP threads (default: all; small layers run on the
+                calling thread).
+
+        Returns:
+            o [B, Hq, D] float32 normalized over the given set, lse [B, Hq]
+            float32 (-inf with o = 0 where no id is valid), as `attend`.
+        """
+        q, seqs, bufs = self._layer_args(layer, queries, seqs)
+        B = q.shape[0]
+        a = _dtypes.as_ids(ids, "ids", ndim=3)
+        if a.shape[:2] != (B, self.num_q_heads):
+            raise ValueError(f"ids {a.shape} must be [{B}, {self.num_q_heads}, n]")
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
         if not np.isfinite(scale):
             raise ValueError(f"scale={scale} must be finite")
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        bufs = [self.store.buffers(s, layer) for s in seqs]
-        ixs = tuple(ix._c for s in seqs for ix in self._ix[s][layer])
         o = np.empty(q.shape, np.float32)
         lse = np.empty(q.shape[:2], np.float32)
-        scanned = np.empty(q.shape[:2], np.int64)
-        ids = np.empty(q.shape[:2] + (k,), np.int64) if return_ids else None
-        _core.attend(ixs, tuple(b[0] for b in bufs), tuple(b[1] for b in bufs),
-                     tuple(b[0].shape[1] for b in bufs), tuple(b[2] for b in bufs),
-                     self.store.code, self.num_kv_heads, self.head_dim, q, B, self.num_q_heads,
-                     self.per_q_head, k, ef, scale, o, lse, scanned, ids, nthreads)
-        return (o, lse, scanned, ids) if return_ids else (o, lse, scanned)
+        _core.attend_ids(tuple(b[0] for b in bufs), tuple(b[1] for b in bufs),
+                         tuple(b[0].shape[1] for b in bufs), tuple(b[2] for b in bufs),
+                         self.store.code, self.num_kv_heads, self.head_dim, q, B,
+                         self.num_q_heads, a, a.shape[2], scale, o, lse, nthreads)
+        return o, lse
 
     def fetch_pages(self, seq: int, layer: int, kv_heads, page_ids, *, out_k=None, out_v=None,
                     threads=None):

@@ -35,12 +35,15 @@ METRICS = {"l2": 0, "ip": 1}
 
 # Defaults per kind. graph follows hnswlib (M 16, 2M links per node,
 # ef_construction 200); roar follows RoarGraph (N_q 100, M 35) with L 100,
-# which measured as good as the public L 500 (../shared/DESIGN.md).
+# which measured as good as the public L 500 (../shared/DESIGN.md). ef_insert
+# is the candidate list of inserts after the build (0: ef_construction for
+# graph, L for roar); see build_index for its cost and recall.
 DEFAULT_PARAMS = {
     "flat": {},
     "ivf": {"nlist": 0, "niter": 10},
-    "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0},
-    "roar": {"n_q": 100, "M": 35, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0},
+    "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0, "ef_insert": 0},
+    "roar": {"n_q": 100, "M": 35, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
+             "ef_insert": 0},
 }
 
 
@@ -64,7 +67,7 @@ def resolve_params(kind: str, params: dict) -> dict:
     for name in ("M", "ef_construction", "L", "n_q", "n_pivots"):
         if name in out:
             _dtypes.positive_int(out[name], name)
-    for name in ("nlist", "niter"):
+    for name in ("nlist", "niter", "ef_insert"):
         if name in out:
             _dtypes.positive_int(out[name], name, allow_zero=True)
     if "M" in out and out["M"] > 256:
@@ -257,8 +260,10 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
             builds insert concurrently and results vary within noise.
         threads: OpenMP threads (default: all).
         **params: per kind (defaults in DEFAULT_PARAMS): ivf nlist (0 = 4*sqrt(N)),
-            niter; graph M, ef_construction, metric ("l2" | "ip"), alpha;
-            roar n_q, M, L, metric, n_pivots, alpha.
+            niter; graph M, ef_construction, metric ("l2" | "ip"), alpha, ef_insert;
+            roar n_q, M, L, metric, n_pivots, alpha, ef_insert. ef_insert is the
+            candidate list of `insert` (and HostContext.insert); 0 uses
+            ef_construction (graph) or L (roar).
 
     Returns:
         An Index with search / insert / len.

@@ -136,3 +136,30 @@ def test_speculative_small_topk_reports_rates():
   assert 0.0 <= stats["correction_rate"] <= 1.0
   assert 0.0 <= stats["hit_rate"] <= 1.0
   assert stats["callbacks"] == (STEPS - 1) * model.cfg.num_layers
+
+
+def test_speculative_is_deterministic():
+  # The background search of a layer finishes before that layer's next insert, so its result
+  # does not depend on thread timing: two runs agree exactly.
+  model = tiny_model("llama")
+  prompt = random_prompt(70, seed=9)
+  options = dict(index="graph", topk=4, speculative=True, tau=0.0, **SMALL)
+  a, b = run(model, prompt, **options), run(model, prompt, **options)
+  np.testing.assert_array_equal(a.logits, b.logits)
+  for name in ("speculated_groups", "corrected_groups", "reused_hits", "reused_total", "scanned"):
+    assert a.policy_stats[name] == b.policy_stats[name], name
+  assert a.policy_stats["speculated_groups"] > 0
+
+
+def test_background_threads_default_to_half_the_cores():
+  import os
+
+  import host_index
+  context = host_index.HostContext(1, 1, 2, 1, 8, kind="flat")
+  runtime = host_runtime.HostRuntime(context, sinks=0, window=1, topk=2, ef=None, scale=1.0, speculative=True)
+  try:
+    assert runtime.background_threads == max(1, len(os.sched_getaffinity(0)) // 2)
+  finally:
+    runtime.close()
+  with pytest.raises(ValueError, match="background_threads"):
+    host_runtime.HostRuntime(context, sinks=0, window=1, topk=2, ef=None, scale=1.0, background_threads=0)

@@ -1,4 +1,5 @@
-/* Host partial attention and page gathers, threaded over (sequence, head). */
+/* Layer-wide work threaded over (sequence, head): host partial attention,
+ * searches, inserts, and page gathers. */
 #define _POSIX_C_SOURCE 200809L
 #include "hi_attend.h"
 
@@ -6,14 +7,63 @@
 
 #include "hi_kernels.h"
 
+int hi_team(int requested, int64_t tasks, int64_t work) {
+  int64_t t = hi_threads(requested);
+  const int64_t by_work = work / HI_MIN_WORK;
+  if (t > tasks) t = tasks;
+  if (t > by_work) t = by_work;
+  return t < 1 ? 1 : (int)t;
+}
+
+/* o[:] = softmax(scale * sc[0..nv)) . vals[ids], *lse = log-sum-exp; an
+ * empty set gives o = 0, lse = -inf. sc is overwritten. */
+static void softmax_rows(float *sc, const int64_t *ids, int nv, const hi_keys_t *vals,
+                         float scale, float *o, float *lse) {
+  const int dim = vals->dim;
+  memset(o, 0, (size_t)dim * sizeof(float));
+  if (nv == 0) {
+    *lse = -INFINITY;
+    return;
+  }
+  float mx = -INFINITY;
+  for (int j = 0; j < nv; j++) {
+    sc[j] *= scale;
+    if (sc[j] > mx) mx = sc[j];
+  }
+  float l = 0.f;
+  for (int j = 0; j < nv; j++) {
+    sc[j] = expf(sc[j] - mx);
+    l += sc[j];
+  }
+  hi_accum_rows(sc, vals, ids, nv, o);
+  const float inv = 1.f / l;
+  for (int j = 0; j < dim; j++) o[j] *= inv;
+  *lse = mx + logf(l);
+}
+
+/* Search of task t = b * Hq + h into ids/sc [k], under the index's read lock. */
+static int search_task(hi_index_t *const *idx, const hi_keys_t *keys, int Hq, int Hkv,
+                       int per_q, const float *q, int k, int ef, int64_t t, int64_t *ids,
+                       float *sc, int64_t *scanned, hi_ws_t *ws) {
+  const int G = Hq / Hkv, Hidx = per_q ? Hq : Hkv;
+  const int64_t b = t / Hq;
+  const int h = (int)(t % Hq), kvh = h / G;
+  hi_index_t *ix = idx[b * Hidx + (per_q ? h : kvh)];
+  pthread_rwlock_rdlock(&ix->lock);
+  const int err = hi_index_search(ix, &keys[b * Hkv + kvh], q + t * keys[0].dim, k, ef, ids, sc,
+                                  scanned, ws);
+  pthread_rwlock_unlock(&ix->lock);
+  return err;
+}
+
 int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *vals, int B,
               int Hq, int Hkv, int per_q, const float *q, int k, int ef, float scale,
               float *o, float *lse, int64_t *scanned, int64_t *ids_out, int threads) {
   const int G = Hq / Hkv;
-  const int Hidx = per_q ? Hq : Hkv;
   const int dim = keys[0].dim;
+  const int64_t T = (int64_t)B * Hq;
   int err = HI_OK;
-#pragma omp parallel num_threads(hi_threads(threads))
+#pragma omp parallel num_threads(hi_team(threads, T, T * HI_MIN_WORK))
   {
     hi_ws_t ws = {0};
     int64_t *ids = malloc((size_t)(k > 0 ? k : 1) * sizeof(int64_t));
@@ -22,42 +72,18 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
     /* One task per (b, h): a search is 10-1000 us, so dynamic scheduling
      * balances uneven search lengths across threads. */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < (int64_t)B * Hq; t++) {
+    for (int64_t t = 0; t < T; t++) {
       if (lerr) continue;
-      const int b = (int)(t / Hq), h = (int)(t % Hq), kvh = h / G;
-      hi_index_t *ix = idx[(int64_t)b * Hidx + (per_q ? h : kvh)];
-      const hi_keys_t *kk = &keys[(int64_t)b * Hkv + kvh];
-      const hi_keys_t *vv = &vals[(int64_t)b * Hkv + kvh];
-      pthread_rwlock_rdlock(&ix->lock);
-      lerr = hi_index_search(ix, kk, q + t * dim, k, ef, ids, sc, &scanned[t], &ws);
-      pthread_rwlock_unlock(&ix->lock);
+      const hi_keys_t *vv = &vals[(t / Hq) * Hkv + (int)(t % Hq) / G];
+      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sc, &scanned[t], &ws);
       /* Keys and values come from one snapshot, so this never fires. */
       for (int j = 0; j < k && !lerr; j++)
         if (ids[j] >= vv->nrows) lerr = HI_ECONCUR;
       if (lerr) continue;
-      float *ot = o + t * dim;
-      memset(ot, 0, (size_t)dim * sizeof(float));
       int nv = 0;
-      float mx = -INFINITY;
-      while (nv < k && ids[nv] >= 0) {
-        sc[nv] *= scale;
-        if (sc[nv] > mx) mx = sc[nv];
-        nv++;
-      }
+      while (nv < k && ids[nv] >= 0) nv++;
       if (ids_out) memcpy(ids_out + t * k, ids, (size_t)k * sizeof(int64_t));
-      if (nv == 0) {
-        lse[t] = -INFINITY;
-        continue;
-      }
-      float l = 0.f;
-      for (int j = 0; j < nv; j++) {
-        sc[j] = expf(sc[j] - mx);
-        l += sc[j];
-      }
-      hi_accum_rows(sc, vv, ids, nv, ot);
-      const float inv = 1.f / l;
-      for (int j = 0; j < dim; j++) ot[j] *= inv;
-      lse[t] = mx + logf(l);
+      softmax_rows(sc, ids, nv, vv, scale, o + t * dim, &lse[t]);
     }
     if (lerr) {
 #pragma omp atomic write
@@ -66,6 +92,112 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
     free(ids);
     free(sc);
     hi_ws_free(&ws);
+  }
+  return err;
+}
+
+int hi_search_layer(hi_index_t *const *idx, const hi_keys_t *keys, int B, int Hq, int Hkv,
+                    int per_q, const float *q, int k, int ef, const uint8_t *mask,
+                    int64_t *ids_out, int64_t *scanned, int threads) {
+  const int64_t T = (int64_t)B * Hq;
+  int64_t active = 0;
+  for (int64_t t = 0; t < T; t++) active += !mask || mask[t];
+  int err = HI_OK;
+#pragma omp parallel num_threads(hi_team(threads, active, active * HI_MIN_WORK))
+  {
+    hi_ws_t ws = {0};
+    float *sc = malloc((size_t)(k > 0 ? k : 1) * sizeof(float));
+    int lerr = sc ? HI_OK : HI_ENOMEM;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < T; t++) {
+      int64_t *ids = ids_out + t * k;
+      if (lerr || (mask && !mask[t])) {
+        for (int j = 0; j < k; j++) ids[j] = -1;
+        scanned[t] = 0;
+        continue;
+      }
+      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sc, &scanned[t], &ws);
+    }
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    free(sc);
+    hi_ws_free(&ws);
+  }
+  return err;
+}
+
+int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, int Hkv,
+                  const float *q, const int64_t *ids, int64_t n, float scale, float *o,
+                  float *lse, int threads) {
+  const int G = Hq / Hkv;
+  const int dim = keys[0].dim;
+  const int64_t T = (int64_t)B * Hq;
+  if (n < 0 || n > INT32_MAX) return HI_EINVAL;
+  int err = HI_OK;
+  /* A task is ~2 n dim flops: small layers run on the calling thread. */
+#pragma omp parallel num_threads(hi_team(threads, T, T * n * dim * 2))
+  {
+    int32_t *id32 = malloc((size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+    int64_t *id64 = malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    float *sc = malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    int lerr = id32 && id64 && sc ? HI_OK : HI_ENOMEM;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      if (lerr) continue;
+      const int64_t kv = (t / Hq) * Hkv + (int)(t % Hq) / G;
+      const hi_keys_t *kk = &keys[kv], *vv = &vals[kv];
+      /* Keys and values come from one snapshot: the same valid rows. */
+      const int64_t nrows = kk->nrows < vv->nrows ? kk->nrows : vv->nrows;
+      const int64_t *it = ids + t * n;
+      int nv = 0;
+      for (int64_t j = 0; j < n; j++)
+        if (it[j] >= 0 && it[j] < nrows) {
+          id32[nv] = (int32_t)it[j];
+          id64[nv++] = it[j];
+        }
+      hi_scores_ids(q + t * dim, kk, id32, nv, sc);
+      softmax_rows(sc, id64, nv, vv, scale, o + t * dim, &lse[t]);
+    }
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    free(id32);
+    free(id64);
+    free(sc);
+  }
+  return err;
+}
+
+int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t *n_total,
+                   const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
+                   int64_t count, int threads) {
+  int err = HI_OK;
+  /* A graph insert is 0.1-1 ms: every index is worth a thread. */
+#pragma omp parallel for schedule(dynamic, 1) \
+    num_threads(hi_team(threads, count, count * HI_MIN_WORK))
+  for (int64_t i = 0; i < count; i++) {
+    hi_index_t *ix = idx[i];
+    const int64_t nt = n_total[i];
+    int e = HI_OK;
+    pthread_rwlock_wrlock(&ix->lock);
+    if (ix->n < nt) {
+      const float *qq = NULL;
+      if (queries[i]) {
+        const int64_t qs = q_start[i];
+        if (qs < 0 || qs > nt || nt - qs > q_rows[i]) e = HI_EINVAL;
+        if (!e && ix->n < qs) e = hi_index_insert(ix, &keys[i], qs, NULL, 1);
+        if (!e) qq = queries[i] + (ix->n - qs) * (int64_t)ix->dim;
+      }
+      if (!e) e = hi_index_insert(ix, &keys[i], nt, qq, 1);
+    }
+    pthread_rwlock_unlock(&ix->lock);
+    if (e) {
+#pragma omp atomic write
+      err = e;
+    }
   }
   return err;
 }
@@ -79,7 +211,8 @@ int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t ca
     if (heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < 0 || page_ids[p] * page >= len)
       return HI_EINVAL;
   if (len > cap) return HI_EINVAL;
-#pragma omp parallel for schedule(static) num_threads(hi_threads(threads))
+#pragma omp parallel for schedule(static) \
+    num_threads(hi_team(threads, P, P * page * (int64_t)row / 4))
   for (int64_t p = 0; p < P; p++) {
     const int64_t start = page_ids[p] * page;
     const int64_t nrow = len - start < page ? len - start : page;

@@ -1,4 +1,6 @@
-/* Host partial attention over retrieved keys, and page gathers for FreeKV. */
+/* Layer-wide work over (sequence, head), threaded and GIL-free: host partial
+ * attention over retrieved or given keys, searches, inserts, and page gathers
+ * for FreeKV. */
 #ifndef HI_ATTEND_H
 #define HI_ATTEND_H
 
@@ -15,6 +17,30 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
               int Hq, int Hkv, int per_q, const float *q, int k, int ef, float scale,
               float *o, float *lse, int64_t *scanned, int64_t *ids_out, int threads);
 
+/* The search half of hi_attend: ids [B, Hq, k] (best first, -1 padded) and
+ * scanned [B, Hq]. mask [B, Hq] (nonzero = search) or NULL for all; a masked
+ * out head gets ids -1 and scanned 0. */
+int hi_search_layer(hi_index_t *const *idx, const hi_keys_t *keys, int B, int Hq, int Hkv,
+                    int per_q, const float *q, int k, int ef, const uint8_t *mask,
+                    int64_t *ids_out, int64_t *scanned, int threads);
+
+/* The attention half of hi_attend over given ids [B, Hq, n]: for each (b, h),
+ * softmax of scale * q.k over the keys keys[b * Hkv + h / G] with ids in
+ * [0, nrows) (others, e.g. -1, are skipped; a repeated id counts each time)
+ * and the weighted sum of vals[b * Hkv + h / G]. o and lse as in hi_attend. */
+int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, int Hkv,
+                  const float *q, const int64_t *ids, int64_t n, float scale, float *o,
+                  float *lse, int threads);
+
+/* Extends count indexes, one task per index, each under its write lock:
+ * index i gets keys keys[i] up to row n_total[i]. queries[i] (or NULL) holds
+ * the own queries of rows q_start[i] .. q_start[i] + q_rows[i] - 1 (roar
+ * links a new key through them); rows below q_start[i] not yet indexed are
+ * indexed first without queries. The indexes must be distinct. */
+int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t *n_total,
+                   const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
+                   int64_t count, int threads);
+
 /* out_k[p], out_v[p] ([page, dim] each) = rows page_ids[p] * page ... + page - 1
  * of head heads[p] of k / v ([Hkv, cap, dim] in one dtype); rows at or past
  * len are zero-filled. */
@@ -22,5 +48,11 @@ int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t ca
                     int64_t len, int dim, int page, const int64_t *heads,
                     const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
                     int threads);
+
+/* Threads for `tasks` independent tasks of about `work` scalar operations in
+ * all: at most the requested count (hi_threads), the task count, and one per
+ * HI_MIN_WORK operations, so small calls skip the cost of waking a team. */
+#define HI_MIN_WORK 65536
+int hi_team(int requested, int64_t tasks, int64_t work);
 
 #endif

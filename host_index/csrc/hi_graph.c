@@ -657,7 +657,9 @@ int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
   const int64_t n0 = ix->n;
-  const int ef = ix->kind == HI_GRAPH ? ix->p.ef_construction : ix->p.L;
+  const int ef = ix->p.ef_insert > 0          ? ix->p.ef_insert
+                 : ix->kind == HI_GRAPH ? ix->p.ef_construction
+                                        : ix->p.L;
   float *xv = malloc((size_t)ix->dim * sizeof(float));
   if (!xv) err = HI_ENOMEM;
   for (int64_t x = n0; x < n_total && !err; x++) {

@@ -18,6 +18,8 @@ typedef struct {
   int M;               /* graph: out-degree chosen for a new node; roar: max out-degree */
   int ef_construction; /* graph: candidate list while inserting */
   int L;               /* roar: candidate list of the connectivity pass and of inserts */
+  int ef_insert;       /* graph/roar: candidate list of inserts after the build
+                          (0: ef_construction for graph, L for roar) */
   int n_q;             /* roar: training neighbours per query when computed here */
   int n_pivots;        /* roar: how many of each query's top keys act as pivots */
   int metric;          /* hi_metric: neighbour selection / build navigation */

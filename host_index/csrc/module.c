@@ -79,24 +79,25 @@ static void Index_dealloc(IndexObject *self) {
 
 static int Index_init(IndexObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"kind", "dim", "M", "ef_construction", "L", "n_q", "n_pivots",
-                           "metric", "alpha", "nlist", "niter", "seed", NULL};
+                           "metric", "alpha", "nlist", "niter", "seed", "ef_insert", NULL};
   int kind, dim, M = 16, efc = 200, L = 100, nq = 100, npv = 1, metric = HI_L2, nlist = 0,
-                 niter = 10;
+                 niter = 10, efi = 0;
   float alpha = 1.f;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiK", kwlist, &kind, &dim, &M, &efc,
-                                   &L, &nq, &npv, &metric, &alpha, &nlist, &niter, &seed))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiKi", kwlist, &kind, &dim, &M,
+                                   &efc, &L, &nq, &npv, &metric, &alpha, &nlist, &niter, &seed,
+                                   &efi))
     return -1;
   if (kind < HI_FLAT || kind > HI_ROAR || dim <= 0 || dim > 2048 || M < 1 || M > 256 ||
-      efc < 1 || L < 1 || nq < 1 || npv < 1 || (metric != HI_L2 && metric != HI_IP) ||
+      efc < 1 || L < 1 || nq < 1 || npv < 1 || efi < 0 || (metric != HI_L2 && metric != HI_IP) ||
       nlist < 0 || niter < 0 || !(alpha >= 1.f)) {
     PyErr_SetString(PyExc_ValueError, "invalid index parameters");
     return -1;
   }
   if (self->ready) hi_index_free(&self->ix);
-  hi_params_t p = {.M = M, .ef_construction = efc, .L = L, .n_q = nq, .n_pivots = npv,
-                   .metric = metric, .alpha = alpha, .nlist = nlist, .niter = niter,
-                   .seed = seed};
+  hi_params_t p = {.M = M, .ef_construction = efc, .ef_insert = efi, .L = L, .n_q = nq,
+                   .n_pivots = npv, .metric = metric, .alpha = alpha, .nlist = nlist,
+                   .niter = niter, .seed = seed};
   self->ready = 0;
   if (hi_index_init(&self->ix, kind, dim, &p) != HI_OK) {
     PyErr_NoMemory();
@@ -417,6 +418,48 @@ static PyTypeObject IndexType = {
 
 /* ---- module functions ---------------------------------------------------- */
 
+/* Per-sequence [Hkv, cap, dim] key (and value) buffers of one layer as
+ * B * Hkv views: the buffers are acquired into bufs[*nb...] (released by the
+ * caller). vbs may be NULL (keys only). */
+static int layer_views(PyObject *kbs, PyObject *vbs, PyObject *caps, PyObject *lens, int dtype,
+                       int Hkv, int dim, int B, Py_buffer *bufs, int *nb, hi_keys_t *kv,
+                       hi_keys_t *vv) {
+  for (int b = 0; b < B; b++) {
+    Py_ssize_t cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(caps, b));
+    Py_ssize_t len = PyLong_AsSsize_t(PyTuple_GET_ITEM(lens, b));
+    if (cap < 0 || len < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative capacity");
+      return -1;
+    }
+    for (int w = 0; w < (vbs ? 2 : 1); w++) {
+      PyObject *o = PyTuple_GET_ITEM(w ? vbs : kbs, b);
+      hi_keys_t tmp;
+      if (keys_view(o, &bufs[*nb], dtype, dim, Hkv - 1, cap, len, &tmp) < 0) return -1;
+      (*nb)++;
+      for (int h = 0; h < Hkv; h++) {
+        hi_keys_t *t = w ? &vv[b * Hkv + h] : &kv[b * Hkv + h];
+        *t = tmp;
+        t->base = (const char *)bufs[*nb - 1].buf + (size_t)h * cap * dim * hi_itemsize(dtype);
+      }
+    }
+  }
+  return 0;
+}
+
+/* The index objects of a tuple, each of this dim, into idx[]. */
+static int index_ptrs(PyObject *ixs, int dim, hi_index_t **idx, const char *who) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(ixs); i++) {
+    PyObject *o = PyTuple_GET_ITEM(ixs, i);
+    if (!PyObject_TypeCheck(o, &IndexType) || !((IndexObject *)o)->ready ||
+        ((IndexObject *)o)->ix.dim != dim) {
+      PyErr_Format(PyExc_TypeError, "%s: indexes must be Index objects of this dim", who);
+      return -1;
+    }
+    idx[i] = &((IndexObject *)o)->ix;
+  }
+  return 0;
+}
+
 /* attend(indexes, kbufs, vbufs, caps, lens, dtype, Hkv, dim, queries, B, Hq, per_q, k, ef,
  *        scale, out_o, out_lse, out_scanned, out_ids|None, threads) */
 static PyObject *py_attend(PyObject *mod, PyObject *args) {
@@ -448,34 +491,8 @@ static PyObject *py_attend(PyObject *mod, PyObject *args) {
     PyErr_NoMemory();
     goto out;
   }
-  for (Py_ssize_t i = 0; i < nix; i++) {
-    PyObject *o = PyTuple_GET_ITEM(ixs, i);
-    if (!PyObject_TypeCheck(o, &IndexType) || !((IndexObject *)o)->ready ||
-        ((IndexObject *)o)->ix.dim != dim) {
-      PyErr_SetString(PyExc_TypeError, "attend: indexes must be Index objects of this dim");
-      goto out;
-    }
-    idx[i] = &((IndexObject *)o)->ix;
-  }
-  for (int b = 0; b < B; b++) {
-    Py_ssize_t cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(caps, b));
-    Py_ssize_t len = PyLong_AsSsize_t(PyTuple_GET_ITEM(lens, b));
-    if (cap < 0 || len < 0) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative capacity");
-      goto out;
-    }
-    for (int w = 0; w < 2; w++) {
-      PyObject *o = PyTuple_GET_ITEM(w ? vbs : kbs, b);
-      hi_keys_t tmp;
-      if (keys_view(o, &bufs[nb], dtype, dim, Hkv - 1, cap, len, &tmp) < 0) goto out;
-      nb++;
-      for (int h = 0; h < Hkv; h++) {
-        hi_keys_t *t = w ? &vv[b * Hkv + h] : &kv[b * Hkv + h];
-        *t = tmp;
-        t->base = (const char *)bufs[nb - 1].buf + (size_t)h * cap * dim * hi_itemsize(dtype);
-      }
-    }
-  }
+  if (index_ptrs(ixs, dim, idx, "attend") < 0) goto out;
+  if (layer_views(kbs, vbs, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, vv) < 0) goto out;
   const Py_ssize_t T = (Py_ssize_t)B * Hq;
   if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
   const float *q = bufs[nb++].buf;
@@ -499,6 +516,187 @@ out:
   PyMem_Free(idx);
   PyMem_Free(kv);
   PyMem_Free(vv);
+  PyMem_Free(bufs);
+  return ret;
+}
+
+/* search(indexes, kbufs, caps, lens, dtype, Hkv, dim, queries, B, Hq, per_q, k, ef,
+ *        mask|None, out_ids, out_scanned, threads) */
+static PyObject *py_search(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ixs, *kbs, *caps, *lens, *qo, *mo, *io, *so;
+  int dtype, Hkv, dim, B, Hq, per_q, k, ef, threads;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!iiiOiipiiOOOi", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
+                        &PyTuple_Type, &caps, &PyTuple_Type, &lens, &dtype, &Hkv, &dim, &qo, &B,
+                        &Hq, &per_q, &k, &ef, &mo, &io, &so, &threads))
+    return NULL;
+  if (B < 1 || Hkv < 1 || Hq < Hkv || Hq % Hkv || k < 0 || dim < 1 ||
+      PyTuple_GET_SIZE(ixs) != (Py_ssize_t)B * (per_q ? Hq : Hkv) ||
+      PyTuple_GET_SIZE(kbs) != B || PyTuple_GET_SIZE(caps) != B || PyTuple_GET_SIZE(lens) != B ||
+      check_dtype(dtype) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "search: inconsistent arguments");
+    return NULL;
+  }
+  hi_index_t **idx = PyMem_Calloc((size_t)PyTuple_GET_SIZE(ixs), sizeof *idx);
+  hi_keys_t *kv = PyMem_Calloc((size_t)B * Hkv, sizeof *kv);
+  Py_buffer *bufs = PyMem_Calloc((size_t)B + 4, sizeof(Py_buffer));
+  int nb = 0;
+  PyObject *ret = NULL;
+  if (!idx || !kv || !bufs) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  if (index_ptrs(ixs, dim, idx, "search") < 0) goto out;
+  if (layer_views(kbs, NULL, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, NULL) < 0) goto out;
+  const Py_ssize_t T = (Py_ssize_t)B * Hq;
+  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  const float *q = bufs[nb++].buf;
+  const uint8_t *mask = NULL;
+  if (mo != Py_None) {
+    if (get_buf(mo, &bufs[nb], 0, T, "mask") < 0) goto out;
+    mask = bufs[nb++].buf;
+  }
+  if (get_buf(io, &bufs[nb], 1, T * k * 8, "ids") < 0) goto out;
+  int64_t *ids = bufs[nb++].buf;
+  if (get_buf(so, &bufs[nb], 1, T * 8, "scanned") < 0) goto out;
+  int64_t *scn = bufs[nb++].buf;
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask, ids,
+                                               scn, threads);
+  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
+out:
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
+  PyMem_Free(idx);
+  PyMem_Free(kv);
+  PyMem_Free(bufs);
+  return ret;
+}
+
+/* attend_ids(kbufs, vbufs, caps, lens, dtype, Hkv, dim, queries, B, Hq, ids, n, scale,
+ *            out_o, out_lse, threads) */
+static PyObject *py_attend_ids(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *kbs, *vbs, *caps, *lens, *qo, *io, *oo, *lo;
+  int dtype, Hkv, dim, B, Hq, threads;
+  Py_ssize_t n;
+  float scale;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!iiiOiiOnfOOi", &PyTuple_Type, &kbs, &PyTuple_Type, &vbs,
+                        &PyTuple_Type, &caps, &PyTuple_Type, &lens, &dtype, &Hkv, &dim, &qo, &B,
+                        &Hq, &io, &n, &scale, &oo, &lo, &threads))
+    return NULL;
+  if (B < 1 || Hkv < 1 || Hq < Hkv || Hq % Hkv || n < 0 || n > INT32_MAX || dim < 1 ||
+      PyTuple_GET_SIZE(kbs) != B || PyTuple_GET_SIZE(vbs) != B || PyTuple_GET_SIZE(caps) != B ||
+      PyTuple_GET_SIZE(lens) != B || check_dtype(dtype) < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "attend_ids: inconsistent arguments");
+    return NULL;
+  }
+  hi_keys_t *kv = PyMem_Calloc((size_t)B * Hkv, sizeof *kv);
+  hi_keys_t *vv = PyMem_Calloc((size_t)B * Hkv, sizeof *vv);
+  Py_buffer *bufs = PyMem_Calloc((size_t)2 * B + 4, sizeof(Py_buffer));
+  int nb = 0;
+  PyObject *ret = NULL;
+  if (!kv || !vv || !bufs) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  if (layer_views(kbs, vbs, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, vv) < 0) goto out;
+  const Py_ssize_t T = (Py_ssize_t)B * Hq;
+  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  const float *q = bufs[nb++].buf;
+  if (get_buf(io, &bufs[nb], 0, T * n * 8, "ids") < 0) goto out;
+  const int64_t *ids = bufs[nb++].buf;
+  if (get_buf(oo, &bufs[nb], 1, T * dim * 4, "o") < 0) goto out;
+  float *o = bufs[nb++].buf;
+  if (get_buf(lo, &bufs[nb], 1, T * 4, "lse") < 0) goto out;
+  float *lse = bufs[nb++].buf;
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_attend_ids(kv, vv, B, Hq, Hkv, q, ids, n, scale, o, lse, threads);
+  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
+out:
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
+  PyMem_Free(kv);
+  PyMem_Free(vv);
+  PyMem_Free(bufs);
+  return ret;
+}
+
+/* insert_many(indexes, kbufs, heads, caps, n_totals, q_starts, queries, dtype, threads):
+ * index i (distinct) reads head heads[i] of kbufs[i] ([Hkv, cap, dim]) and is
+ * extended to n_totals[i]; queries[i] is None or [rows, dim] float32, the own
+ * queries of rows q_starts[i] ... (see hi_insert_many). */
+static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ixs, *kbs, *hs, *caps, *nts, *qss, *qs;
+  int dtype, threads;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!ii", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
+                        &PyTuple_Type, &hs, &PyTuple_Type, &caps, &PyTuple_Type, &nts,
+                        &PyTuple_Type, &qss, &PyTuple_Type, &qs, &dtype, &threads) ||
+      check_dtype(dtype) < 0)
+    return NULL;
+  const Py_ssize_t C = PyTuple_GET_SIZE(ixs);
+  if (PyTuple_GET_SIZE(kbs) != C || PyTuple_GET_SIZE(hs) != C || PyTuple_GET_SIZE(caps) != C ||
+      PyTuple_GET_SIZE(nts) != C || PyTuple_GET_SIZE(qss) != C || PyTuple_GET_SIZE(qs) != C) {
+    PyErr_SetString(PyExc_ValueError, "insert_many: tuples differ in length");
+    return NULL;
+  }
+  const Py_ssize_t n1 = C > 0 ? C : 1;
+  hi_index_t **idx = PyMem_Calloc((size_t)n1, sizeof *idx);
+  hi_keys_t *kv = PyMem_Calloc((size_t)n1, sizeof *kv);
+  int64_t *nt = PyMem_Calloc((size_t)n1, sizeof *nt);
+  int64_t *q0 = PyMem_Calloc((size_t)n1, sizeof *q0);
+  int64_t *qr = PyMem_Calloc((size_t)n1, sizeof *qr);
+  const float **qp = PyMem_Calloc((size_t)n1, sizeof *qp);
+  Py_buffer *bufs = PyMem_Calloc((size_t)2 * n1, sizeof(Py_buffer));
+  int nb = 0;
+  PyObject *ret = NULL;
+  if (!idx || !kv || !nt || !q0 || !qr || !qp || !bufs) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  int dim = 0;
+  for (Py_ssize_t i = 0; i < C; i++) {
+    PyObject *o = PyTuple_GET_ITEM(ixs, i);
+    if (!PyObject_TypeCheck(o, &IndexType) || !((IndexObject *)o)->ready) {
+      PyErr_SetString(PyExc_TypeError, "insert_many: indexes must be Index objects");
+      goto out;
+    }
+    idx[i] = &((IndexObject *)o)->ix;
+    for (Py_ssize_t j = 0; j < i; j++)
+      if (idx[j] == idx[i]) {
+        PyErr_SetString(PyExc_ValueError, "insert_many: an index appears twice");
+        goto out;
+      }
+    dim = idx[i]->dim;
+    Py_ssize_t head = PyLong_AsSsize_t(PyTuple_GET_ITEM(hs, i));
+    Py_ssize_t cap = PyLong_AsSsize_t(PyTuple_GET_ITEM(caps, i));
+    nt[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(nts, i));
+    q0[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(qss, i));
+    if (PyErr_Occurred()) goto out;
+    if (keys_view(PyTuple_GET_ITEM(kbs, i), &bufs[nb], dtype, dim, head, cap, nt[i], &kv[i]) < 0)
+      goto out;
+    nb++;
+    PyObject *q = PyTuple_GET_ITEM(qs, i);
+    if (q != Py_None) {
+      if (q0[i] < 0 || q0[i] > nt[i]) {
+        PyErr_SetString(PyExc_ValueError, "insert_many: query start out of range");
+        goto out;
+      }
+      if (get_buf(q, &bufs[nb], 0, (nt[i] - q0[i]) * dim * 4, "queries") < 0) goto out;
+      qp[i] = bufs[nb].buf;
+      qr[i] = bufs[nb++].len / ((Py_ssize_t)dim * 4);
+    }
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_insert_many(idx, kv, nt, q0, qp, qr, C, threads);
+  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
+out:
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
+  PyMem_Free(idx);
+  PyMem_Free(kv);
+  PyMem_Free(nt);
+  PyMem_Free(q0);
+  PyMem_Free(qr);
+  PyMem_Free(qp);
   PyMem_Free(bufs);
   return ret;
 }
@@ -527,7 +725,7 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(static) num_threads(hi_threads(nbk > 1 ? threads : 1))
+#pragma omp parallel for schedule(static) num_threads(hi_team(threads, nbk, nbk * blk))
   for (Py_ssize_t i = 0; i < nbk; i++)
     hi_convert((const char *)sb.buf + (soff + i * sst) * hi_itemsize(sdt), sdt,
                (char *)db.buf + (doff + i * dst) * hi_itemsize(ddt), ddt, blk);
@@ -600,6 +798,9 @@ static PyObject *py_isa(PyObject *mod, PyObject *unused) {
 static PyMethodDef module_methods[] = {
     {"isa", py_isa, METH_NOARGS, "Instruction set of the kernels in use."},
     {"attend", py_attend, METH_VARARGS, "Host partial attention for one layer."},
+    {"search", py_search, METH_VARARGS, "Searches of one layer, ids only."},
+    {"attend_ids", py_attend_ids, METH_VARARGS, "Host partial attention over given ids."},
+    {"insert_many", py_insert_many, METH_VARARGS, "Extends several indexes, one task each."},
     {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
     {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
