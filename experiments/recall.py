@@ -1,108 +1,675 @@
-"""Recall@k against scanned fraction for every host index kind.
+"""Recall@k against scanned fraction for every host index kind, on synthetic or real vectors.
 
 The paper's Figures 3 and 6: per index kind and search effort, mean recall@k of
 decode queries (Q->K) and of keys used as queries (K->K) against the share of
-keys scanned. This file holds the data-independent core (`recall_rows`) and a
-synthetic-data driver; dumping real post-RoPE queries and keys through
-`models/` plugs into the same function (to do: --data smollm2 etc.).
+keys scanned.
+
+Real vectors (`--model=...`): the model reads `--context_len` tokens of text and
+then generates `--decode_steps` tokens greedily; every layer's post-RoPE queries
+and keys are captured on the way, by an injected attention function that writes
+them into layer-stacked buffers and computes plain causal attention over the
+growing cache (`ops.prefill_attention`). The decode queries are therefore real
+decode-step queries (what RetrievalAttention searches with), not prompt queries.
+The index of each head holds the prompt keys at positions [sinks, N - window),
+what RetrievalAttention offloads to the host at prefill; roar's training queries
+are the prompt's queries (strided to at most `--train_queries`) with their exact
+top-`--train_topk` keys among the indexed ones (NumPy, no causal mask, as
+kvjax's retrieval policy does with `ops.exact_topk`). Captured vectors are cached
+as an .npz under `--cache_dir` and reused.
+
+Text (nothing is downloaded): `docs` (default) is the docstrings of a fixed list
+of Python standard-library modules -- varied English technical prose;
+`passkey` is kvjax.passkey_prompt's filler, a small sentence grammar (repetitive).
+The model continues the text (no chat template), so the decode steps write more
+of the same kind of text.
 
 Usage:
+  python experiments/recall.py --model=smollm2 --context_len=4096
+  python experiments/recall.py --model=gemma3-270m --context_len=16384 --layers=5,11,17
   python experiments/recall.py --data=synthetic --n_keys=32768 --out_dir=/tmp/recall
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import inspect
 import json
 import os
+import pathlib
+import re
+import sys
 import time
 
-import numpy as np
-from absl import app
-from absl import flags
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import host_index as hi
-from host_index import synthetic
+import numpy as np  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
 
-_DATA = flags.DEFINE_string("data", "synthetic", "vector source: synthetic (real models: to do)")
-_N = flags.DEFINE_integer("n_keys", 32768, "keys per head")
-_D = flags.DEFINE_integer("dim", 128, "head_dim")
-_Q = flags.DEFINE_integer("n_queries", 200, "decode queries evaluated")
-_M = flags.DEFINE_integer("n_train", 8192, "prefill (training) queries for roar")
+import host_index as hi  # noqa: E402
+from host_index import synthetic  # noqa: E402
+
+_DATA = flags.DEFINE_string("data", "synthetic", "synthetic, or ignored when --model is given")
+_MODEL = flags.DEFINE_string("model", "", "real model (models.registry name); empty = synthetic data")
+_CONTEXT = flags.DEFINE_integer("context_len", 4096, "prompt tokens N (real mode)")
+_STEPS = flags.DEFINE_integer("decode_steps", 64, "greedy decode steps whose queries are the Q->K queries")
+_TEXT = flags.DEFINE_enum("text", "docs", ["docs", "passkey"], "prompt text (real mode)")
+_LAYERS = flags.DEFINE_list("layers", [], "layers to study (default: every ~4th and the last; "
+                            "Gemma 3: its global layers)")
+_SINKS = flags.DEFINE_integer("sinks", 128, "first tokens kept on the device (not indexed)")
+_WINDOW = flags.DEFINE_integer("window", 512, "last prompt tokens kept on the device (not indexed)")
+_TRAIN_Q = flags.DEFINE_integer("train_queries", 4096, "max prefill queries per head for roar (strided)")
+_TRAIN_K = flags.DEFINE_integer("train_topk", 100, "N_q: exact top keys per training query")
+_KK_Q = flags.DEFINE_integer("kk_queries", 256, "keys sampled as K->K queries per KV head")
+_CACHE = flags.DEFINE_string("cache_dir", "/tmp/kvjax_recall", "where captured vectors (.npz) are cached")
+_NAME = flags.DEFINE_string("name", "", "results stem (default recall_<model>_<N/1024>k)")
+_PLOT = flags.DEFINE_bool("plot", True, "write <name>.png when matplotlib is installed")
+_THREADS = flags.DEFINE_integer("threads", None, "OpenMP threads for build/search (default: all)")
+_N = flags.DEFINE_integer("n_keys", 32768, "keys per head (synthetic)")
+_D = flags.DEFINE_integer("dim", 128, "head_dim (synthetic)")
+_Q = flags.DEFINE_integer("n_queries", 200, "decode queries evaluated (synthetic)")
+_M = flags.DEFINE_integer("n_train", 8192, "prefill (training) queries for roar (synthetic)")
 _K = flags.DEFINE_integer("k", 100, "recall@k")
-_KINDS = flags.DEFINE_list("kinds", ["ivf", "graph", "graph_ip", "roar"], "kinds; graph_ip = graph with metric ip")
-_EFS = flags.DEFINE_list("efs", ["100", "150", "200", "300", "500", "800"], "graph/roar ef values")
-_NPROBES = flags.DEFINE_list("nprobes", ["4", "8", "16", "32", "64", "128"], "ivf nprobe values")
-_OUT = flags.DEFINE_string("out_dir", "experiments/results", "where recall_<data>.{json,md} go")
-_SEED = flags.DEFINE_integer("seed", 0, "data seed")
+_KINDS = flags.DEFINE_list("kinds", ["flat", "ivf64", "ivf256", "graph", "graph_ip", "roar"],
+                           "flat | ivf (nlist 4*sqrt(N)) | ivf<nlist> | graph (l2) | graph_ip | roar")
+_EFS = flags.DEFINE_list("efs", ["100", "120", "150", "200", "250", "300", "400", "500", "650", "800",
+                                 "1000", "1300", "1600", "2000"], "graph/roar ef values")
+_NPROBE_FRACS = flags.DEFINE_list("nprobe_fracs", ["0.016", "0.03", "0.05", "0.08", "0.12", "0.17",
+                                                   "0.25", "0.35", "0.5", "0.7"],
+                                  "ivf nprobe as fractions of nlist")
+_OUT = flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
+_SEED = flags.DEFINE_integer("seed", 0, "data / sampling seed")
+_RERENDER = flags.DEFINE_string("rerender", "", "remake <json>'s summary, .md and .png from its rows, then exit")
+
+TARGETS = (0.90, 0.95)
+
+
+# ------------------------------------------------------------------ index kinds and curves
+def parse_kind(kind: str) -> tuple[str, dict]:
+  """'ivf256' -> ('ivf', {'nlist': 256}); 'graph_ip' -> ('graph', {'metric': 'ip'})."""
+  if kind in ("flat", "graph", "roar"):
+    return kind, {}
+  if kind == "graph_ip":
+    return "graph", {"metric": "ip"}
+  if kind == "roar_ip":
+    return "roar", {"metric": "ip"}
+  m = re.fullmatch(r"ivf(\d*)", kind)
+  if m:
+    return "ivf", ({"nlist": int(m.group(1))} if m.group(1) else {})
+  raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip")
+
+
+def efforts_for(base: str, index, *, k: int, efs, nprobe_fracs) -> list:
+  if base == "flat":
+    return [None]
+  if base == "ivf":
+    nlist = index.params["nlist"] or int(4.0 * np.sqrt(len(index)) + 0.5)
+    nlist = max(1, min(nlist, len(index)))
+    return sorted({max(1, min(nlist, round(f * nlist))) for f in nprobe_fracs})
+  return [ef for ef in efs if ef >= k]
+
+
+def recall_matrix(ids: np.ndarray, truth: np.ndarray, n: int) -> np.ndarray:
+  """[Q] recall of each row: |ids ∩ truth| / k; ids [Q, >=k] (-1 ignored, unique per row)."""
+  member = np.zeros((truth.shape[0], n + 1), bool)  # column n absorbs the -1 padding
+  np.put_along_axis(member, truth, True, axis=1)
+  hit = np.take_along_axis(member, np.where(ids >= 0, ids, n), axis=1)
+  return hit.sum(1) / truth.shape[1]
+
+
+def curve_rows(index, base, query_sets, truths, n, *, k, efs, nprobe_fracs, threads=None):
+  """Rows (mode, effort, recall, scanned_frac) of one built index over its query sets."""
+  rows = []
+  for ef in efforts_for(base, index, k=k, efs=efs, nprobe_fracs=nprobe_fracs):
+    for mode, queries in query_sets.items():
+      ids, _, scanned = index.search(queries, k, ef=ef, threads=threads)
+      rows.append({"mode": mode, "effort": "exact" if ef is None else ef,
+                   "recall": float(recall_matrix(ids, truths[mode], n).mean()),
+                   "scanned_frac": float(scanned.mean()) / n, "queries": len(queries)})
+  return rows
 
 
 def recall_rows(keys, queries, *, k, kinds, efs, nprobes, train_queries=None, train_topk=None,
                 mode="Q->K", label=""):
-    """Recall@k and scanned fraction per (kind, effort).
+  """Recall@k and scanned fraction per (kind, effort) for one head (synthetic driver).
 
-    Args:
-        keys: [N, D] float32/float16/bfloat16 keys of one head.
-        queries: [Q, D] queries (decode queries for Q->K, keys for K->K).
-        k: recall@k.
-        kinds: "flat" | "ivf" | "graph" | "graph_ip" | "roar".
-        efs: graph/roar candidate-list sizes; nprobes: ivf probes.
-        train_queries: [M, D] prefill queries (roar), or train_topk [M, N_q].
-        mode, label: copied into the rows.
+  Args:
+    keys: [N, D] float32/float16/bfloat16 keys of one head.
+    queries: [Q, D] queries (decode queries for Q->K, keys for K->K).
+    k: recall@k.
+    kinds: names accepted by `parse_kind`.
+    efs: graph/roar candidate-list sizes; nprobes: ivf probes.
+    train_queries: [M, D] prefill queries (roar), or train_topk [M, N_q].
+    mode, label: copied into the rows.
 
-    Returns:
-        List of flat dicts: kind, effort, recall, scanned_frac, build_s, ...
-    """
-    k32 = np.asarray(keys).astype(np.float32)
-    truth = synthetic.exact_topk(np.asarray(queries, np.float32), k32, k)
-    rows = []
+  Returns:
+    List of flat dicts: kind, effort, recall, scanned_frac, build_s, ...
+  """
+  k32 = np.asarray(keys).astype(np.float32)
+  n = len(k32)
+  truth = synthetic.exact_topk(np.asarray(queries, np.float32), k32, k)
+  rows = []
+  for kind in kinds:
+    base, params = parse_kind(kind)
+    train = {}
+    if base == "roar":
+      train = {"train_topk": train_topk} if train_topk is not None else {"train_queries": train_queries}
+    t0 = time.perf_counter()
+    ix = hi.build_index(keys, kind=base, **train, **params)
+    build_s = time.perf_counter() - t0
+    efforts = {"flat": [None], "ivf": nprobes}.get(base, efs)
+    for ef in efforts:
+      if ef is not None and base != "ivf" and ef < k:
+        continue
+      ids, _, scanned = ix.search(queries, k, ef=ef)
+      rows.append({"data": label, "mode": mode, "kind": kind, "n_keys": n, "k": k,
+                   "effort": ef if ef is not None else "exact",
+                   "recall": round(float(recall_matrix(ids, truth, n).mean()), 4),
+                   "scanned_frac": round(float(scanned.mean()) / n, 5),
+                   "build_s": round(build_s, 2)})
+      print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+def scanned_at(points, target: float):
+  """Scanned fraction where a curve first reaches `target` recall, linearly interpolated.
+
+  points: [(scanned_frac, recall)] in increasing effort. None when never reached; the first
+  point's fraction when the least effort already reaches it.
+  """
+  prev = None
+  for s, r in points:
+    if r >= target:
+      if prev is None or r == prev[1]:
+        return s  # the least effort already reaches it: an upper bound
+      return prev[0] + (target - prev[1]) * (s - prev[0]) / (r - prev[1])
+    prev = (s, r)
+  return None
+
+
+# ------------------------------------------------------------------ text and capture
+DOC_MODULES = (
+    "textwrap", "argparse", "collections", "functools", "itertools", "json", "logging", "pathlib", "re",
+    "string", "subprocess", "threading", "unittest", "email", "http.client", "urllib.request", "asyncio",
+    "decimal", "fractions", "statistics", "random", "datetime", "calendar", "heapq", "bisect", "contextlib",
+    "dataclasses", "enum", "typing", "inspect", "pickle", "shutil", "tempfile", "zipfile", "tarfile", "csv",
+    "configparser", "difflib", "doctest", "pdb", "socket", "ssl", "sqlite3", "codecs", "locale", "gettext",
+    "io", "os",
+)
+
+
+def docs_text(min_chars: int) -> str:
+  """Docstrings of a fixed list of stdlib modules (module, then its public classes and functions)."""
+  parts = []
+  for name in DOC_MODULES:
+    try:
+      mod = importlib.import_module(name)
+    except ImportError:
+      continue
+    docs = [inspect.getdoc(mod) or ""]
+    for attr, obj in sorted(vars(mod).items()):
+      if attr.startswith("_"):
+        continue
+      if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == mod.__name__:
+        docs.append(inspect.getdoc(obj) or "")
+    parts += [d for d in docs if d]
+    if sum(map(len, parts)) >= min_chars:
+      break
+  return "\n\n".join(parts)
+
+
+def prompt_tokens(tokenizer, n: int, text: str, seed: int) -> list[int]:
+  """Exactly n token ids of the chosen text (BOS first when the model uses one)."""
+  chars = 6 * n + 1000
+  if text == "docs":
+    body = docs_text(chars)
+  else:
+    from kvjax.prompts import passkey_prompt
+
+    body = passkey_prompt(num_sentences=n // 8 + 50, seed=seed).text
+  ids = tokenizer.encode(body)
+  if len(ids) < n:
+    raise ValueError(f"the {text!r} text gives {len(ids)} tokens, fewer than context_len={n}")
+  return ids[:n]
+
+
+def capture_vectors(model, tokens, *, decode_steps: int):
+  """Runs the prompt, then `decode_steps` greedy steps, capturing post-RoPE q and k.
+
+  Returns:
+    q: [L, Hq, N + steps, D] float16 queries, k: [L, Hkv, N + steps, D] float16 keys,
+    generated: [steps] int32 greedy tokens, seconds: {"prefill", "decode"}.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  import ops
+  from models.decoder import forward_hidden, logits_from_hidden
+  from models.rope import rope_tables
+
+  cfg = model.cfg
+  n, cap = len(tokens), len(tokens) + decode_steps
+  L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  dtype = jnp.dtype(cfg.dtype)
+  rope = rope_tables(cfg, cap)
+  windowed = any(w > 0 for w in cfg.layer_windows)
+  windows = jnp.asarray(cfg.layer_windows, jnp.int32)
+
+  def attention_fn(layer, q, k, v, positions, state):
+    # q [1, T, Hq, D], k/v [1, T, Hkv, D]; caches [L, 1, Hkv, cap, D], qcap [L, Hq, cap, D]
+    kc, vc, qc = state
+    start = positions[0, 0]
+    kc = jax.lax.dynamic_update_slice(kc, k.transpose(0, 2, 1, 3)[None].astype(kc.dtype), (layer, 0, 0, start, 0))
+    vc = jax.lax.dynamic_update_slice(vc, v.transpose(0, 2, 1, 3)[None].astype(vc.dtype), (layer, 0, 0, start, 0))
+    qc = jax.lax.dynamic_update_slice(qc, q[0].transpose(1, 0, 2)[None].astype(qc.dtype), (layer, 0, start, 0))
+    o, _ = ops.prefill_attention(q, kc, vc, positions, positions[:, -1] + 1, layer=layer, scale=cfg.attn_scale,
+                                 window=windows[layer] if windowed else None)
+    return o.astype(q.dtype), (kc, vc, qc)
+
+  @functools.partial(jax.jit, donate_argnums=(2,))
+  def step(params, toks, state, positions):
+    hidden, state = forward_hidden(params, toks, positions, cfg=cfg, rope=rope, attention_fn=attention_fn,
+                                   attention_state=state)
+    return jnp.argmax(logits_from_hidden(params, cfg, hidden[:, -1]), axis=-1).astype(jnp.int32), state
+
+  state = (jnp.zeros((L, 1, Hkv, cap, D), dtype), jnp.zeros((L, 1, Hkv, cap, D), dtype),
+           jnp.zeros((L, Hq, cap, D), dtype))
+  t0 = time.perf_counter()
+  nxt, state = step(model.params, jnp.asarray([tokens], jnp.int32), state, jnp.arange(n, dtype=jnp.int32)[None])
+  nxt.block_until_ready()
+  t_prefill = time.perf_counter() - t0
+  generated = []
+  t0 = time.perf_counter()
+  for i in range(decode_steps):
+    generated.append(int(nxt[0]))
+    nxt, state = step(model.params, nxt[:, None], state, jnp.full((1, 1), n + i, jnp.int32))
+  jax.block_until_ready(state)
+  t_decode = time.perf_counter() - t0
+  kc, _, qc = state
+  q = np.asarray(qc, np.float16)
+  k = np.asarray(kc[:, 0], np.float16)
+  return q, k, np.asarray(generated, np.int32), {"prefill": t_prefill, "decode": t_decode}
+
+
+def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, seed: int, cache_dir: str,
+                    model=None):
+  """Captured vectors from the .npz cache, or from a model run (then cached).
+
+  Returns a dict: q [L, Hq, N+S, D] f16, k [L, Hkv, N+S, D] f16, tokens [N+S], generated text,
+  capture seconds, group size, and whether it came from the cache.
+  """
+  tag = hashlib.sha1(f"{model_name}|{n}|{decode_steps}|{text}|{seed}".encode()).hexdigest()[:10]
+  path = os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}_{n}_{tag}.npz")
+  if os.path.isfile(path):
+    with np.load(path) as z:
+      out = {key: z[key] for key in z.files}
+    out["meta"] = json.loads(str(out["meta"]))
+    out["meta"]["from_cache"] = path
+    return out
+  if model is None:
+    from models.registry import load_model
+
+    model = load_model(model_name)
+  from kvjax.generate import check_context
+
+  check_context(model.cfg, n, decode_steps)  # no silent run past the trained context
+  tokens = prompt_tokens(model.tokenizer, n, text, seed) if model.tokenizer is not None else (
+      np.random.default_rng(seed).integers(0, model.cfg.vocab_size, n).tolist())
+  q, k, gen, secs = capture_vectors(model, tokens, decode_steps=decode_steps)
+  meta = {"model": model.cfg.name, "source": model.source, "n": n, "decode_steps": decode_steps, "text": text,
+          "capture_s": {key: round(v, 2) for key, v in secs.items()},
+          "generated": model.tokenizer.decode(gen.tolist()) if model.tokenizer is not None else gen.tolist(),
+          "layer_windows": list(model.cfg.layer_windows), "attn_scale": model.cfg.attn_scale}
+  os.makedirs(cache_dir, exist_ok=True)
+  tmp = path + f".tmp{os.getpid()}.npz"
+  np.savez(tmp, q=q, k=k, tokens=np.asarray(list(tokens) + gen.tolist(), np.int32), meta=json.dumps(meta))
+  os.replace(tmp, path)
+  meta["from_cache"] = None
+  return {"q": q, "k": k, "tokens": np.asarray(list(tokens) + gen.tolist(), np.int32), "meta": meta}
+
+
+# ------------------------------------------------------------------ the real-vector study
+def exact_topk_np(queries, keys, k, *, block=2048):
+  """[Q, k] ids of the largest q.k (float32 scores), best first; queries in blocks (bounded memory)."""
+  keys32 = keys.astype(np.float32)
+  k = min(k, keys.shape[0])
+  out = []
+  for i in range(0, len(queries), block):
+    s = queries[i:i + block].astype(np.float32) @ keys32.T  # [block, N]
+    part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(s, part, axis=1), axis=1, kind="stable")
+    out.append(np.take_along_axis(part, order, axis=1))
+  return np.concatenate(out) if out else np.zeros((0, k), np.int64)
+
+
+def pivot_stats(train_topk: np.ndarray, n: int) -> dict:
+  """How concentrated the training queries' nearest keys (pivots) are."""
+  piv = train_topk[:, 0]
+  counts = np.bincount(piv, minlength=n)
+  top = int(counts.argmax())
+  return {"pivot_keys_frac": float((counts > 0).mean()), "top_pivot_share": float(counts[top] / len(piv)),
+          "top_pivot_pos": top}
+
+
+def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, efs, nprobe_fracs, train_queries,
+                train_topk, kk_queries, seed, threads=None, log=print):
+  """Curve rows (one per head, kind, mode, effort) for one layer.
+
+  q [L, Hq, N+S, D], k [L, Hkv, N+S, D]; the index holds keys [sinks, n - window).
+  """
+  lo, hi_ = sinks, n - window
+  if hi_ - lo < k_top:
+    raise ValueError(f"only {hi_ - lo} keys to index (N={n}, sinks={sinks}, window={window}) < k={k_top}")
+  Hq, Hkv = q.shape[1], k.shape[1]
+  group = Hq // Hkv
+  stride = max(1, -(-n // train_queries))
+  rng = np.random.default_rng(seed + layer)
+  rows = []
+  for g in range(Hkv):
+    keys = np.ascontiguousarray(k[layer, g, lo:hi_])  # [n_idx, D] float16, as the host store keeps them
+    n_idx = len(keys)
+    kk = keys[rng.choice(n_idx, min(kk_queries, n_idx), replace=False)].astype(np.float32)
+    heads = range(g * group, (g + 1) * group)
+    dec = {h: q[layer, h, n:n + decode_steps].astype(np.float32) for h in heads}
+    truth_kk = exact_topk_np(kk, keys, k_top)
+    truth_dec = {h: exact_topk_np(dec[h], keys, k_top) for h in heads}
     for kind in kinds:
-        params = {"metric": "ip"} if kind == "graph_ip" else {}
-        base = "graph" if kind == "graph_ip" else kind
+      base, params = parse_kind(kind)
+      per_head = base == "roar"
+      for h in (heads if per_head else [None]):
         train = {}
-        if base == "roar":
-            train = {"train_topk": train_topk} if train_topk is not None else {
-                "train_queries": train_queries}
+        extra = {}
+        if per_head:
+          tq = q[layer, h, 0:n:stride].astype(np.float32)
+          tk = exact_topk_np(tq, keys, train_topk)
+          train = {"train_queries": tq, "train_topk": tk}
+          extra = pivot_stats(tk, n_idx)
+          extra["top_pivot_pos"] += lo
         t0 = time.perf_counter()
-        ix = hi.build_index(keys, kind=base, **train, **params)
+        index = hi.build_index(keys, kind=base, seed=seed, threads=threads, **train, **params)
         build_s = time.perf_counter() - t0
-        efforts = {"flat": [None], "ivf": nprobes}.get(base, efs)
-        for ef in efforts:
-            if ef is not None and base != "ivf" and ef < k:
-                continue
-            ids, _, scanned = ix.search(queries, k, ef=ef)
-            rows.append({"data": label, "mode": mode, "kind": kind, "n_keys": len(k32), "k": k,
-                         "effort": ef if ef is not None else "exact",
-                         "recall": round(synthetic.recall(ids, truth), 4),
-                         "scanned_frac": round(float(scanned.mean()) / len(k32), 5),
-                         "build_s": round(build_s, 2)})
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+        qs = {"Q->K": np.concatenate([dec[x] for x in (heads if h is None else [h])]), "K->K": kk}
+        tr = {"Q->K": np.concatenate([truth_dec[x] for x in (heads if h is None else [h])]), "K->K": truth_kk}
+        for r in curve_rows(index, base, qs, tr, n_idx, k=k_top, efs=efs, nprobe_fracs=nprobe_fracs,
+                            threads=threads):
+          rows.append({"layer": layer, "kv_head": g, "q_head": "group" if h is None else h, "kind": kind,
+                       "n_keys": n_idx, **r, "build_s": round(build_s, 3), **extra})
+      log(f"layer {layer} kv_head {g} {kind}: built and searched")
+  return rows
+
+
+def aggregate(rows):
+  """Mean over heads per (layer, kind, mode, effort); plus layer 'all' (mean over layers)."""
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["layer"], r["kind"], r["mode"], r["effort"]), []).append(r)
+  out = []
+  for (layer, kind, mode, effort), rs in groups.items():
+    # Heads weigh by their query count (a group index serves all its query heads).
+    w = np.asarray([r["queries"] for r in rs], float)
+    out.append({"layer": layer, "kind": kind, "mode": mode, "effort": effort, "n_keys": rs[0]["n_keys"],
+                "recall": round(float(np.average([r["recall"] for r in rs], weights=w)), 4),
+                "scanned_frac": round(float(np.average([r["scanned_frac"] for r in rs], weights=w)), 5),
+                "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)})
+  layers = sorted({r["layer"] for r in out})
+  by = {}
+  for r in out:
+    by.setdefault((r["kind"], r["mode"], r["effort"]), []).append(r)
+  for (kind, mode, effort), rs in by.items():
+    if len(rs) == len(layers) and len(layers) > 1:
+      out.append({"layer": "all", "kind": kind, "mode": mode, "effort": effort,
+                  "n_keys": rs[0]["n_keys"], "recall": round(float(np.mean([r["recall"] for r in rs])), 4),
+                  "scanned_frac": round(float(np.mean([r["scanned_frac"] for r in rs])), 5),
+                  "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)})
+  return out
+
+
+def _effort_key(e):
+  return -1 if e == "exact" else e
+
+
+def summarize(curves, kinds):
+  """Scanned fraction at recall 0.90 / 0.95 per (layer, kind, mode)."""
+  keyed = {}
+  for r in curves:
+    keyed.setdefault((r["layer"], r["kind"], r["mode"]), []).append(r)
+  out = []
+  for (layer, kind, mode), rs in keyed.items():
+    rs = sorted(rs, key=lambda r: _effort_key(r["effort"]))
+    pts = [(r["scanned_frac"], r["recall"]) for r in rs]
+    row = {"layer": layer, "kind": kind, "mode": mode}
+    for t in TARGETS:
+      s = scanned_at(pts, t)
+      row[f"scan@{t:.2f}"] = None if s is None else round(s, 4)
+    # The least effort (ef = k, or the fewest probes) already reaches the target: only a bound.
+    row["at_least_effort"] = [t for t in TARGETS if pts[0][1] >= t]
+    row["max_recall"] = max(r for _, r in pts)
+    row["scan_at_max"] = max(s for s, _ in pts)
+    row["build_s"] = rs[0]["build_s"]
+    out.append(row)
+  order = {k: i for i, k in enumerate(kinds)}
+  out.sort(key=lambda r: (r["mode"] != "Q->K", r["layer"] == "all", str(r["layer"]).zfill(3),
+                          order.get(r["kind"], 99)))
+  return out
+
+
+def summary_markdown(summary, kinds) -> str:
+  """Two tables (Q->K, K->K): rows = layers, columns = kinds, cells 'scan@0.90 / scan@0.95' in %."""
+  def cell(r):
+    if r is None:
+      return ""
+    def pct(t):
+      v = r[f"scan@{t:.2f}"]
+      if v is None:
+        return f">{100 * r['scan_at_max']:.0f}"
+      return ("≤" if t in r["at_least_effort"] else "") + f"{100 * v:.1f}"
+    return " / ".join(pct(t) for t in TARGETS)
+
+  text = []
+  for mode in ("Q->K", "K->K"):
+    rs = [r for r in summary if r["mode"] == mode]
+    layers = list(dict.fromkeys(r["layer"] for r in rs))
+    present = [k for k in kinds if any(r["kind"] == k for r in rs) and k != "flat"]
+    text.append(f"**{mode}**: % of indexed keys scanned for mean recall@100 0.90 / 0.95 "
+                f"(>x: never reached, x = most scanned; ≤x: the least effort, ef = k or fewest probes, already "
+                f"reaches it)\n")
+    text.append("| layer | " + " | ".join(present) + " |")
+    text.append("|---|" + "---|" * len(present))
+    for layer in layers:
+      cells = [cell(next((r for r in rs if r["layer"] == layer and r["kind"] == k), None)) for k in present]
+      text.append(f"| {layer} | " + " | ".join(cells) + " |")
+    text.append("")
+  return "\n".join(text)
+
+
+def plot(curves, kinds, path, title):
+  """recall vs scanned fraction; rows Q->K / K->K, one column per layer (and 'all')."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+  except ImportError:
+    print("matplotlib not installed (bench extra): no plot", flush=True)
+    return None
+  layers = list(dict.fromkeys(r["layer"] for r in curves))
+  fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 6.2), squeeze=False, sharey=True)
+  for i, mode in enumerate(("Q->K", "K->K")):
+    for j, layer in enumerate(layers):
+      ax = axes[i][j]
+      for kind in kinds:
+        if kind == "flat":
+          continue
+        rs = sorted((r for r in curves if r["layer"] == layer and r["kind"] == kind and r["mode"] == mode),
+                    key=lambda r: _effort_key(r["effort"]))
+        if rs:
+          ax.plot([r["scanned_frac"] for r in rs], [r["recall"] for r in rs], marker=".", label=kind)
+      ax.set_xscale("log")
+      ax.set_xlim(0.01, 1.05)
+      ax.set_xticks([0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0], ["1%", "2%", "5%", "10%", "20%", "50%", "100%"],
+                    fontsize=7)
+      ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+      ax.axhline(0.95, color="grey", lw=0.5, ls="--")
+      ax.set_ylim(0.4, 1.01)
+      ax.set_title(f"{mode} layer {layer}", fontsize=9)
+      if i == 1:
+        ax.set_xlabel("scanned fraction")
+      if j == 0:
+        ax.set_ylabel("recall@100")
+  axes[0][0].legend(fontsize=7)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
+
+
+def default_layers(cfg_windows, n_layers):
+  glob = [i for i, w in enumerate(cfg_windows) if w == 0]
+  if len(glob) < n_layers:
+    return glob
+  return sorted(set(range(0, n_layers, 4)) | {n_layers - 1})
+
+
+def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds, k_top, efs, nprobe_fracs,
+             train_queries, train_topk, kk_queries, seed, cache_dir, name, out_dir, make_plot, threads=None,
+             model=None, log=print):
+  """The whole real-vector study; returns (curve rows, summary rows, notes)."""
+  from experiments.results_io import write_results
+
+  t0 = time.perf_counter()
+  data = load_or_capture(model_name, n, decode_steps=decode_steps, text=text, seed=seed, cache_dir=cache_dir,
+                         model=model)
+  capture_s = time.perf_counter() - t0
+  meta = data["meta"]
+  q, k = data["q"], data["k"]
+  L = q.shape[0]
+  if not layers:
+    layers = default_layers(meta["layer_windows"], L)
+  bad = [x for x in layers if not 0 <= x < L]
+  if bad:
+    raise ValueError(f"layers {bad} outside [0, {L})")
+  log(f"vectors: q {q.shape} k {k.shape}, {'cache ' + meta['from_cache'] if meta['from_cache'] else 'captured'} "
+      f"in {capture_s:.1f} s; layers {layers}")
+  t1 = time.perf_counter()
+  rows = []
+  for layer in layers:
+    tl = time.perf_counter()
+    rows += layer_study(q, k, layer, n=n, sinks=sinks, window=window, decode_steps=decode_steps, kinds=kinds,
+                        k_top=k_top, efs=efs, nprobe_fracs=nprobe_fracs, train_queries=train_queries,
+                        train_topk=train_topk, kk_queries=kk_queries, seed=seed, threads=threads,
+                        log=lambda s: None)
+    log(f"layer {layer}: {time.perf_counter() - tl:.1f} s")
+  study_s = time.perf_counter() - t1
+  curves = aggregate(rows)
+  summary = summarize(curves, kinds)
+  piv = [r for r in rows if r["kind"] == "roar" and r["mode"] == "Q->K"]
+  piv_by_layer = {}
+  for r in piv:
+    piv_by_layer.setdefault(r["layer"], {})[r["q_head"]] = (r["pivot_keys_frac"], r["top_pivot_share"],
+                                                             r["top_pivot_pos"])
+  piv_lines = [f"layer {layer}: pivot keys {100 * min(v[0] for v in hs.values()):.0f}–"
+               f"{100 * max(v[0] for v in hs.values()):.0f}% of indexed keys; top pivot takes "
+               f"{100 * min(v[1] for v in hs.values()):.0f}–{100 * max(v[1] for v in hs.values()):.0f}% "
+               f"of training queries"
+               for layer, hs in sorted(piv_by_layer.items())]
+  n_idx = n - window - sinks
+  notes = (
+      f"Real vectors: {meta['model']} ({meta['source']}), prompt N = {n} tokens of `{text}` text, then "
+      f"{decode_steps} greedy decode steps; post-RoPE q/k captured in one run "
+      f"(prefill {meta['capture_s']['prefill']} s, decode {meta['capture_s']['decode']} s on this machine"
+      f"{', reused from ' + meta['from_cache'] if meta['from_cache'] else ''}). Index per head: keys at "
+      f"[{sinks}, {n - window}) = {n_idx} keys (float16); Q->K queries: the {decode_steps} decode-step "
+      f"queries of every query head; K->K: {kk_queries} indexed keys per KV head. roar: training queries = "
+      f"prompt queries with stride {max(1, -(-n // train_queries))}, exact top-{train_topk} over the indexed "
+      f"keys (no causal mask), one index per query head. recall@{k_top}; scanned = distance computations / "
+      f"indexed keys (IVF centroids included). Study time {study_s:.0f} s for {len(layers)} layers.\n\n"
+      f"Generated continuation: {json.dumps(meta['generated'])[:300]}\n\n"
+      + summary_markdown(summary, kinds) + "\n"
+      + ("Pivot concentration (roar training queries' nearest indexed key):\n\n"
+         + "\n".join(f"- {s}" for s in piv_lines) + "\n" if piv_lines else "")
+      + "\nRows below: curves, mean over the heads of each layer (layer 'all' = mean over layers).\n")
+  if not name:
+    name = f"recall_{re.sub(r'[^a-z0-9]+', '', model_name.lower())}_{n // 1024}k"
+  doc = write_results(name, curves, out_dir=out_dir or None, notes=notes)
+  doc["summary"] = summary
+  doc["per_head_rows"] = rows
+  doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {"study_s": round(study_s, 1)}
+  directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
+  (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+  if make_plot:
+    plot(curves, kinds, directory / f"{name}.png",
+         f"{meta['model']}, N={n} ({n_idx} indexed keys/head), recall@{k_top} vs scanned fraction")
+  return curves, summary, notes
+
+
+def rerender(path, *, make_plot=True):
+  """Remakes the summary, markdown and plot of a results JSON from its curve rows (no search)."""
+  from experiments.results_io import markdown_table
+
+  path = pathlib.Path(path)
+  doc = json.loads(path.read_text())
+  curves = doc["rows"]
+  kinds = list(dict.fromkeys(r["kind"] for r in curves))
+  doc["summary"] = summarize(curves, kinds)
+  notes = doc.get("notes", "")
+  head, sep, _ = notes.partition("**Q->K**")
+  tail = notes[notes.find("Pivot concentration"):] if "Pivot concentration" in notes else (
+      notes[notes.find("\nRows below"):])
+  if sep:
+    doc["notes"] = notes = head + summary_markdown(doc["summary"], kinds) + "\n" + tail
+  path.write_text(json.dumps(doc, indent=1) + "\n")
+  header = f"# {path.stem}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date",
+                                                                          "command"))
+  path.with_suffix(".md").write_text(header + f"\n{notes}\n\n" + markdown_table(curves))
+  if make_plot:
+    m = doc.get("meta", {})
+    plot(curves, kinds, path.with_suffix(".png"),
+         f"{m.get('model', '?')}, N={m.get('n', '?')} ({curves[0]['n_keys']} indexed keys/head), "
+         f"recall@100 vs scanned fraction")
+  return doc
 
 
 def main(argv):
-    del argv
+  del argv
+  if _RERENDER.value:
+    print(rerender(_RERENDER.value, make_plot=_PLOT.value)["notes"])
+    return
+  efs = [int(e) for e in _EFS.value]
+  if _MODEL.value:
     if _DATA.value != "synthetic":
-        raise app.UsageError(f"--data={_DATA.value}: only 'synthetic' exists so far")
-    n, d = _N.value, _D.value
-    keys = synthetic.clustered(n, d, seed=_SEED.value)
-    decode = synthetic.clustered(_Q.value, d, seed=_SEED.value + 1, shift=0.5, spread=1.5)
-    train = synthetic.clustered(_M.value, d, seed=_SEED.value + 2, shift=0.5, spread=1.5)
-    kq = keys[np.random.default_rng(_SEED.value).choice(n, _Q.value, replace=False)]
-    efs = [int(e) for e in _EFS.value]
-    nprobes = [int(e) for e in _NPROBES.value]
-    rows = []
-    for mode, q in (("Q->K", decode), ("K->K", kq)):
-        rows += recall_rows(keys.astype(np.float16), q, k=_K.value, kinds=_KINDS.value, efs=efs,
-                            nprobes=nprobes, train_queries=train, mode=mode, label="synthetic")
-    os.makedirs(_OUT.value, exist_ok=True)
-    stem = os.path.join(_OUT.value, f"recall_{_DATA.value}")
-    with open(stem + ".json", "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
-    cols = list(rows[0])
-    with open(stem + ".md", "w") as f:
-        f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        f.writelines("| " + " | ".join(str(r[c]) for c in cols) + " |\n" for r in rows)
+      raise app.UsageError("give --model or --data, not both")
+    for kind in _KINDS.value:
+      parse_kind(kind)
+    layers = [int(x) for x in _LAYERS.value]
+    _, summary, notes = run_real(
+        _MODEL.value, n=_CONTEXT.value, decode_steps=_STEPS.value, text=_TEXT.value, layers=layers,
+        sinks=_SINKS.value, window=_WINDOW.value, kinds=_KINDS.value, k_top=_K.value, efs=efs,
+        nprobe_fracs=[float(f) for f in _NPROBE_FRACS.value], train_queries=_TRAIN_Q.value,
+        train_topk=_TRAIN_K.value, kk_queries=_KK_Q.value, seed=_SEED.value, cache_dir=_CACHE.value,
+        name=_NAME.value, out_dir=_OUT.value, make_plot=_PLOT.value, threads=_THREADS.value)
+    print(notes)
+    return
+  if _DATA.value != "synthetic":
+    raise app.UsageError(f"--data={_DATA.value}: only 'synthetic' (real vectors: --model=...)")
+  n, d = _N.value, _D.value
+  keys = synthetic.clustered(n, d, seed=_SEED.value)
+  decode = synthetic.clustered(_Q.value, d, seed=_SEED.value + 1, shift=0.5, spread=1.5)
+  train = synthetic.clustered(_M.value, d, seed=_SEED.value + 2, shift=0.5, spread=1.5)
+  kq = keys[np.random.default_rng(_SEED.value).choice(n, _Q.value, replace=False)]
+  nprobes = sorted({max(1, round(float(f) * 4 * np.sqrt(n))) for f in _NPROBE_FRACS.value})
+  rows = []
+  for mode, qs in (("Q->K", decode), ("K->K", kq)):
+    rows += recall_rows(keys.astype(np.float16), qs, k=_K.value, kinds=[x for x in _KINDS.value if x != "flat"],
+                        efs=efs, nprobes=nprobes, train_queries=train, mode=mode, label="synthetic")
+  from experiments.results_io import write_results
+
+  write_results(_NAME.value or "recall_synthetic", rows, out_dir=_OUT.value or None,
+                notes="Synthetic clustered vectors (host_index.synthetic): says nothing about real models.")
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)
