@@ -304,7 +304,7 @@ def topk_rows(reps):
 
 
 def to_markdown(meta, rows):
-  lines = [f"# bench_attention\n", f"device: {meta['device']}  \njax: {meta['jax']}  \n"
+  lines = ["# bench_attention\n", f"device: {meta['device']}  \njax: {meta['jax']}  \n"
            f"commit: {meta['commit']}  \ndate: {meta['date']}  \ncommand: `{meta['command']}`  \n"
            f"copy bandwidth (read+write): {meta['copy_GBps']} GB/s\n"]
   kinds = []

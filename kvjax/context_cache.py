@@ -24,7 +24,6 @@ import shutil
 import uuid
 import zlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -1,6 +1,5 @@
 """save_context / load_context: decode from a loaded context equals decode right after prefill."""
 
-import dataclasses
 import json
 
 import numpy as np

@@ -102,7 +102,7 @@ def test_streaming_small_window_equals_masked_reference():
 def numpy_select(q, kmax, kmin, pos, *, page_size, sinks, window, budget, scale):
   """Quest selection for one decode step, written out with loops: a list of page sets [b][h]."""
   batch, num_heads, _ = q.shape
-  kv_heads, num_pages = kmax.shape[1], kmax.shape[2]
+  kv_heads = kmax.shape[1]
   groups = num_heads // kv_heads
   sink_pages = -(-sinks // page_size)
   chosen = []

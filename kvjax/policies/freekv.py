@@ -70,7 +70,6 @@ import numpy as np
 import host_index
 import ops
 from kvjax import freekv_host
-from kvjax import host_runtime
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
 from kvjax.policies.retrieval import _rings_from_dense
