@@ -64,7 +64,8 @@ def main(argv):
   if FLAGS.load_context and FLAGS.save_context:
     raise app.UsageError("give --save_context or --load_context, not both")
   if FLAGS.load_context:
-    given = [f for f in ("prompt", "prompt_file", "context_len", "rope_scaling") if FLAGS[f].present]
+    # --rope_scaling stays allowed: it is part of the model identity the context checks.
+    given = [f for f in ("prompt", "prompt_file", "context_len", "batch") if FLAGS[f].present]
     if given:
       raise app.UsageError(f"--{given[0]} does not apply with --load_context (the context holds the prompt)")
     try:
