@@ -71,7 +71,7 @@ import host_index
 import ops
 from kvjax import freekv_host
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
-from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
+from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
 
@@ -399,18 +399,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
-    dense = DenseKVCache(k=write_tokens(state.dense.k, layer, k, positions),
-                         v=write_tokens(state.dense.v, layer, v, positions))
-    o, _ = dense_attention(cfg, layer, q, positions, dense.k, dense.v, implementation="xla")
+    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions, implementation="xla")
     return o, state.replace(dense=dense)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: FreeKVState):
-    dense = DenseKVCache(k=write_tokens(state.dense.k, slot, k, positions),
-                         v=write_tokens(state.dense.v, slot, v, positions))
-    o, _ = dense_attention(cfg, slot, q, positions, dense.k, dense.v,
-                           implementation=resolve_implementation(self.implementation),
-                           window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
-    return o.astype(jnp.float32), state.replace(dense=dense)
+    o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
+                                window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
+    return o, state.replace(dense=dense)
 
   def _sparse(
       self,

@@ -71,6 +71,29 @@ def dense_attention(
       q, k_cache, v_cache, positions, positions[:, -1] + 1, window=window, layer=layer, scale=cfg.attn_scale)
 
 
+def write_and_attend(
+    cfg: ModelConfig,
+    cache: DenseKVCache,  # [cache layers, batch, kv_heads, capacity, head_dim] each
+    slot,  # [] int32: the layer's index in `cache`
+    q,  # [batch, seq, num_heads, head_dim]
+    k,  # [batch, seq, num_kv_heads, head_dim]
+    v,  # [batch, seq, num_kv_heads, head_dim]
+    positions,  # [batch, seq] int32
+    *,
+    implementation: str,
+    window=None,
+):
+  """Writes the new tokens into `cache[slot]` and attends over it: (o [B, T, Hq, D] f32, cache).
+
+  `window` defaults to the sliding window of model layer `slot` (pass it when the cache holds
+  a subset of the layers).
+  """
+  cache = DenseKVCache(k=write_tokens(cache.k, slot, k, positions), v=write_tokens(cache.v, slot, v, positions))
+  o, _ = dense_attention(cfg, slot, q, positions, cache.k, cache.v, implementation=resolve_implementation(implementation),
+                         window=window)
+  return o.astype(jnp.float32), cache
+
+
 def resolve_implementation(implementation: str) -> str:
   if implementation == "auto":
     return "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -97,8 +120,4 @@ class FullAttention(AttentionPolicy):
     return DenseKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
   def attend(self, cfg, layer, q, k, v, positions, state: DenseKVCache):
-    state = DenseKVCache(
-        k=write_tokens(state.k, layer, k, positions), v=write_tokens(state.v, layer, v, positions))
-    o, _ = dense_attention(
-        cfg, layer, q, positions, state.k, state.v, implementation=resolve_implementation(self.implementation))
-    return o, state
+    return write_and_attend(cfg, state, layer, q, k, v, positions, implementation=self.implementation)

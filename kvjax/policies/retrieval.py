@@ -33,7 +33,7 @@ import host_index
 import ops
 from kvjax import host_runtime
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
-from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_tokens
+from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend
 from models.config import ModelConfig
 
 INDEX_KINDS = ("roar", "graph", "ivf", "flat")
@@ -147,9 +147,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: self._retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    dense = DenseKVCache(k=write_tokens(state.dense.k, layer, k, positions),
-                         v=write_tokens(state.dense.v, layer, v, positions))
-    o, _ = dense_attention(cfg, layer, q, positions, dense.k, dense.v, implementation="xla")
+    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions, implementation="xla")
     B = q.shape[0]
     batch_ids = jnp.arange(B, dtype=jnp.int32)[:, None]
     valid = positions < state.prompt_lengths[:, None]  # [B, T]; padding past a prompt is not stored
@@ -166,12 +164,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return o, state.replace(dense=dense, train_q=train_q, ring_q=ring_q)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: RetrievalState):
-    dense = DenseKVCache(k=write_tokens(state.dense.k, slot, k, positions),
-                         v=write_tokens(state.dense.v, slot, v, positions))
-    o, _ = dense_attention(cfg, slot, q, positions, dense.k, dense.v,
-                           implementation=resolve_implementation(self.implementation),
-                           window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
-    return o.astype(jnp.float32), state.replace(dense=dense)
+    o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
+                                window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
+    return o, state.replace(dense=dense)
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     S, W = self.sinks, self.window
