@@ -81,6 +81,13 @@ _NPROBE_FRACS = flags.DEFINE_list("nprobe_fracs", ["0.016", "0.03", "0.05", "0.0
                                   "ivf nprobe as fractions of nlist")
 _OUT = flags.DEFINE_string("out_dir", "", "results directory (default experiments/results)")
 _SEED = flags.DEFINE_integer("seed", 0, "data / sampling seed")
+_PEERS = flags.DEFINE_list("peers", [], "outside references instead of kvjax's kinds (bench extra: faiss-cpu, "
+                           "hnswlib), e.g. faiss_hnsw16_ip,faiss_hnsw32_l2,faiss_ivf256_ip,hnswlib_ip,hnswlib_l2ip")
+_PEERS_CMP = flags.DEFINE_string("peers_compare", "", "kvjax recall JSON on the same vectors to set beside the peers")
+_PEERS_CMP_KINDS = flags.DEFINE_list("peers_compare_kinds", ["graph", "graph_ip", "roar"],
+                                     "kvjax kinds copied from --peers_compare")
+_REPLAY_Q = flags.DEFINE_integer("replay_queries", 0, "hnswlib scanned: replay this many queries per mode and head "
+                                 "(0 = all)")
 _RERENDER = flags.DEFINE_string("rerender", "", "remake <json>'s summary, .md and .png from its rows, then exit")
 
 TARGETS = (0.90, 0.95)
@@ -455,6 +462,35 @@ def summarize(curves, kinds):
   return out
 
 
+def recall_at(points, frac: float):
+  """Recall of a curve [(scanned_frac, recall)] at `frac` scanned (log-linear interpolation); None outside it."""
+  pts = sorted(points)
+  for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
+    if s0 <= frac <= s1:
+      return r0 if s1 == s0 else r0 + (r1 - r0) * np.log(frac / s0) / np.log(s1 / s0)
+  return None
+
+
+def equal_scan_markdown(curves, kinds, fracs=(0.05, 0.10, 0.20)) -> str:
+  """Recall@k at equal scanned fractions, rows = (mode, layer), columns = kinds: the curves compared point for
+  point (the summary's scan@0.90 / 0.95 says nothing where a curve never reaches the target)."""
+  present = [k for k in kinds if k != "flat" and any(r["kind"] == k for r in curves)]
+  text = ["**Recall@100 at equal scanned fraction** " + " / ".join(f"{100 * f:g}%" for f in fracs)
+          + " (-: outside the curve's range)\n", "| mode | layer | " + " | ".join(present) + " |",
+          "|---|---|" + "---|" * len(present)]
+  for mode in ("Q->K", "K->K"):
+    layers = list(dict.fromkeys(r["layer"] for r in curves if r["mode"] == mode))
+    for layer in layers:
+      cells = []
+      for kind in present:
+        pts = [(r["scanned_frac"], r["recall"]) for r in curves
+               if r["kind"] == kind and r["mode"] == mode and r["layer"] == layer]
+        vals = [recall_at(pts, f) if pts else None for f in fracs]
+        cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in vals))
+      text.append(f"| {mode} | {layer} | " + " | ".join(cells) + " |")
+  return "\n".join(text) + "\n"
+
+
 def summary_markdown(summary, kinds) -> str:
   """Two tables (Q->K, K->K): rows = layers, columns = kinds, cells 'scan@0.90 / scan@0.95' in %."""
   def cell(r):
@@ -497,6 +533,11 @@ def plot(curves, kinds, path, title):
     return None
   layers = list(dict.fromkeys(r["layer"] for r in curves))
   fig, axes = plt.subplots(2, len(layers), figsize=(3.2 * len(layers), 6.2), squeeze=False, sharey=True)
+  shown = [x for x in kinds if x != "flat"]
+  cmap = plt.get_cmap("tab10" if len(shown) <= 10 else "tab20")
+  # kvjax's own kinds solid; outside references (--peers) dashed (faiss) or dotted (hnswlib).
+  style = {x: {"color": cmap(i % cmap.N), "ls": "--" if x.startswith("faiss") else ":" if x.startswith("hnswlib")
+               else "-"} for i, x in enumerate(shown)}
   for i, mode in enumerate(("Q->K", "K->K")):
     for j, layer in enumerate(layers):
       ax = axes[i][j]
@@ -506,7 +547,8 @@ def plot(curves, kinds, path, title):
         rs = sorted((r for r in curves if r["layer"] == layer and r["kind"] == kind and r["mode"] == mode),
                     key=lambda r: _effort_key(r["effort"]))
         if rs:
-          ax.plot([r["scanned_frac"] for r in rs], [r["recall"] for r in rs], marker=".", label=kind)
+          ax.plot([r["scanned_frac"] for r in rs], [r["recall"] for r in rs], marker=".", ms=3, label=kind,
+                  **style[kind])
       ax.set_xscale("log")
       ax.set_xlim(0.01, 1.05)
       ax.set_xticks([0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0], ["1%", "2%", "5%", "10%", "20%", "50%", "100%"],
@@ -612,25 +654,340 @@ def rerender(path, *, make_plot=True):
 
   path = pathlib.Path(path)
   doc = json.loads(path.read_text())
-  curves = doc["rows"]
-  kinds = list(dict.fromkeys(r["kind"] for r in curves))
+  own = doc["rows"]
+  curves = doc.get("kvjax_rows", []) + own  # a --peers file: kvjax's curves beside the outside ones
+  kinds = doc.get("meta", {}).get("kinds") or list(dict.fromkeys(r["kind"] for r in curves))
   doc["summary"] = summarize(curves, kinds)
   notes = doc.get("notes", "")
   head, sep, _ = notes.partition("**Q->K**")
   tail = notes[notes.find("Pivot concentration"):] if "Pivot concentration" in notes else (
       notes[notes.find("\nRows below"):])
   if sep:
-    doc["notes"] = notes = head + summary_markdown(doc["summary"], kinds) + "\n" + tail
+    tables = summary_markdown(doc["summary"], kinds) + "\n"
+    if "kvjax_rows" in doc:
+      tables += equal_scan_markdown(curves, kinds)
+    doc["notes"] = notes = head + tables + tail
   path.write_text(json.dumps(doc, indent=1) + "\n")
   header = f"# {path.stem}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date",
                                                                           "command"))
-  path.with_suffix(".md").write_text(header + f"\n{notes}\n\n" + markdown_table(curves))
+  path.with_suffix(".md").write_text(header + f"\n{notes}\n\n" + markdown_table(own))
   if make_plot:
     m = doc.get("meta", {})
     plot(curves, kinds, path.with_suffix(".png"),
          f"{m.get('model', '?')}, N={m.get('n', '?')} ({curves[0]['n_keys']} indexed keys/head), "
-         f"recall@100 vs scanned fraction")
+         f"recall@100 vs scanned fraction" + (": kvjax vs faiss / hnswlib" if "kvjax_rows" in doc else ""))
   return doc
+
+
+# ------------------------------------------------------------------ outside references (bench extra)
+# faiss-cpu and hnswlib, imported only when --peers is given. Kinds:
+#   faiss_hnsw<M>_ip / _l2   IndexHNSWFlat, inner-product or L2 metric (build and search), efConstruction 200
+#   faiss_hnsw<M>_l2ip       the _l2 index searched by inner product (its storage's metric switched after
+#                            the build): an L2-built HNSW searched as kvjax's `graph` searches
+#   faiss_ivf<nlist>_ip      IndexIVFFlat, inner product, IndexFlatIP quantizer (faiss's k-means then
+#                            assigns by inner product)
+#   hnswlib_ip / _l2 / _l2ip hnswlib M 16, ef_construction 200; _l2ip: the l2 graph searched by inner product
+# scanned: faiss HNSW -- faiss.cvar.hnsw_stats.ndis per query batch (upper-level greedy steps included, which
+# may re-count a node); faiss IVF -- nlist centroids + the sizes of the nprobe lists the quantizer picks for each
+# query; hnswlib has no counter in its Python binding, so its saved graph is read back and its search
+# (searchKnn: greedy descent, then searchBaseLayerST) replayed in NumPy, counting distinct distance
+# computations; recall is hnswlib's own knn_query's, and the replay's agreement with it is recorded.
+PEER_EFS_DEFAULT = [100, 120, 150, 200, 250, 300, 400, 500, 650, 800, 1000, 1300, 1600, 2000]
+
+
+def parse_peer(kind: str) -> tuple[str, dict]:
+  m = re.fullmatch(r"faiss_hnsw(\d+)_(ip|l2|l2ip)", kind)
+  if m:
+    return "faiss_hnsw", {"M": int(m.group(1)), "metric": m.group(2)}
+  m = re.fullmatch(r"faiss_ivf(\d+)_ip", kind)
+  if m:
+    return "faiss_ivf", {"nlist": int(m.group(1))}
+  m = re.fullmatch(r"hnswlib(\d*)_(ip|l2|l2ip)", kind)
+  if m:
+    return "hnswlib", {"M": int(m.group(1) or 16), "metric": m.group(2)}
+  raise ValueError(f"unknown peer {kind!r}: faiss_hnsw<M>_(ip|l2|l2ip) | faiss_ivf<nlist>_ip | "
+                   f"hnswlib[<M>]_(ip|l2|l2ip)")
+
+
+def _hnswlib_graph(index, n: int):
+  """hnswlib's graph (entry point, per-node level-0 and upper-level links) from its saved file."""
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "g.bin")
+    index.save_index(path)
+    buf = pathlib.Path(path).read_bytes()
+  hdr = np.frombuffer(buf, np.uint64, 6, 0)  # offsetLevel0, max_elements, count, size/elem, label_off, data_off
+  _, _, count, size_elem, _, off_data = (int(x) for x in hdr)
+  maxlevel, enter = np.frombuffer(buf, np.int32, 1, 48)[0], np.frombuffer(buf, np.uint32, 1, 52)[0]
+  max_m, max_m0 = (int(x) for x in np.frombuffer(buf, np.uint64, 2, 56))
+  pos = 56 + 8 * 3 + 8 + 8  # maxM_, maxM0_, M_, mult_, ef_construction_
+  assert count == n, (count, n)
+  lvl0 = np.frombuffer(buf, np.uint8, count * size_elem, pos).reshape(count, size_elem)
+  pos += count * size_elem
+  cnt0 = lvl0[:, :4].copy().view(np.uint32)[:, 0] & 0xFFFF
+  links0 = lvl0[:, 4:4 + 4 * max_m0].copy().view(np.uint32).astype(np.int64)
+  assert off_data == 4 + 4 * max_m0
+  nbrs0 = [links0[i, :cnt0[i]] for i in range(count)]
+  upper = {}  # node -> [links at level 1, 2, ...]
+  per = 4 + 4 * max_m
+  for i in range(count):
+    size = int(np.frombuffer(buf, np.uint32, 1, pos)[0])
+    pos += 4
+    if size:
+      lv = []
+      for j in range(size // per):
+        c = int(np.frombuffer(buf, np.uint32, 1, pos + j * per)[0]) & 0xFFFF
+        lv.append(np.frombuffer(buf, np.uint32, c, pos + j * per + 4).astype(np.int64))
+      upper[i] = lv
+      pos += size
+  return {"enter": int(enter), "maxlevel": int(maxlevel), "nbrs0": nbrs0, "upper": upper}
+
+
+def _replay_search(graph, keys32, sqn, x, ef: int, metric: str):
+  """hnswlib's searchKnn on its graph, distances in NumPy; (ids best first, distinct distance computations)."""
+  import heapq
+
+  xx = float(x @ x)
+
+  def dist(ids):  # hnswlib's distances: squared L2, or 1 - inner product
+    return sqn[ids] - 2.0 * (keys32[ids] @ x) + xx if metric == "l2" else 1.0 - keys32[ids] @ x
+
+  seen = set()
+  cur = graph["enter"]
+  cur_d = float(dist(np.asarray([cur]))[0])
+  seen.add(cur)
+  for level in range(graph["maxlevel"], 0, -1):
+    changed = True
+    while changed:
+      changed = False
+      nb = graph["upper"][cur][level - 1]
+      if len(nb):
+        d = dist(nb)
+        seen.update(nb.tolist())
+        j = int(np.argmin(d))
+        if d[j] < cur_d:
+          cur_d, cur, changed = float(d[j]), int(nb[j]), True
+  visited = {cur}
+  top = [(-cur_d, cur)]  # max-heap of results by distance
+  cand = [(cur_d, cur)]
+  lower = cur_d
+  while cand:
+    cd, c = heapq.heappop(cand)
+    if cd > lower:
+      break
+    nb = [v for v in graph["nbrs0"][c].tolist() if v not in visited]
+    if not nb:
+      continue
+    visited.update(nb)
+    d = dist(np.asarray(nb)).tolist()
+    for v, dv in zip(nb, d):
+      if len(top) < ef or lower > dv:
+        heapq.heappush(cand, (dv, v))
+        heapq.heappush(top, (-dv, v))
+        if len(top) > ef:
+          heapq.heappop(top)
+        lower = -top[0][0]
+  ids = [v for _, v in sorted(((-nd, v) for nd, v in top))]
+  return np.asarray(ids, np.int64), len(visited | seen)
+
+
+def _peer_curves(kind, keys, query_sets, truths, n, *, k, efs, nprobe_fracs, threads, replay_queries, cache):
+  """Rows (mode, effort, recall, scanned_frac, queries, build_s, ...) of one outside index over its query sets.
+
+  `cache` (a dict per head) lets the _l2 and _l2ip kinds share one build."""
+  base, p = parse_peer(kind)
+  keys32 = np.ascontiguousarray(keys, np.float32)
+  dim = keys32.shape[1]
+  rows = []
+  t0 = time.perf_counter()
+  if base == "faiss_hnsw":
+    import faiss
+
+    faiss.omp_set_num_threads(threads or os.cpu_count())
+    build_metric = "ip" if p["metric"] == "ip" else "l2"
+    key = ("faiss_hnsw", p["M"], build_metric)
+    if key in cache and not (p["metric"] == "l2" and cache[key][0].metric_type != faiss.METRIC_L2):
+      index, build_s = cache[key]
+    else:
+      index = faiss.IndexHNSWFlat(dim, p["M"], faiss.METRIC_INNER_PRODUCT if build_metric == "ip" else
+                                  faiss.METRIC_L2)
+      index.hnsw.efConstruction = 200
+      index.add(keys32)
+      build_s = time.perf_counter() - t0
+      cache[key] = (index, build_s)
+    if p["metric"] == "l2ip":  # search the L2-built graph by inner product (faiss 1.15: three switches)
+      index.metric_type = faiss.METRIC_INNER_PRODUCT
+      index.storage.metric_type = faiss.METRIC_INNER_PRODUCT
+      index.hnsw.is_similarity = True
+    for ef in [e for e in efs if e >= k]:
+      for mode, qs in query_sets.items():
+        faiss.cvar.hnsw_stats.reset()
+        _, ids = index.search(np.ascontiguousarray(qs, np.float32), k,
+                              params=faiss.SearchParametersHNSW(efSearch=ef))
+        ndis = faiss.cvar.hnsw_stats.ndis
+        rows.append({"mode": mode, "effort": ef, "recall": float(recall_matrix(ids, truths[mode], n).mean()),
+                     "scanned_frac": ndis / len(qs) / n, "queries": len(qs), "build_s": round(build_s, 3)})
+  elif base == "faiss_ivf":
+    import faiss
+
+    faiss.omp_set_num_threads(threads or os.cpu_count())
+    nlist = p["nlist"]
+    quantizer = faiss.IndexFlatIP(dim)
+    index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    index.train(keys32)
+    index.add(keys32)
+    build_s = time.perf_counter() - t0
+    sizes = np.asarray([index.invlists.list_size(i) for i in range(nlist)], np.int64)
+    for nprobe in sorted({max(1, min(nlist, round(f * nlist))) for f in nprobe_fracs}):
+      index.nprobe = nprobe
+      for mode, qs in query_sets.items():
+        qs32 = np.ascontiguousarray(qs, np.float32)
+        _, ids = index.search(qs32, k)
+        _, lists = quantizer.search(qs32, nprobe)
+        scanned = nlist + np.where(lists >= 0, sizes[np.maximum(lists, 0)], 0).sum(1)
+        rows.append({"mode": mode, "effort": nprobe, "recall": float(recall_matrix(ids, truths[mode], n).mean()),
+                     "scanned_frac": float(scanned.mean()) / n, "queries": len(qs), "build_s": round(build_s, 3)})
+  else:
+    import hnswlib
+
+    key = ("hnswlib", p["M"], "ip" if p["metric"] == "ip" else "l2")
+    if key in cache:
+      index, build_s, graph = cache[key]
+    else:
+      index = hnswlib.Index(space=key[2], dim=dim)
+      index.init_index(max_elements=n, M=p["M"], ef_construction=200, random_seed=100)
+      index.set_num_threads(threads or os.cpu_count())
+      index.add_items(keys32, np.arange(n))
+      build_s = time.perf_counter() - t0
+      graph = _hnswlib_graph(index, n)
+      cache[key] = (index, build_s, graph)
+    sqn = (keys32 * keys32).sum(1)
+    search_metric = "ip" if p["metric"] in ("ip", "l2ip") else "l2"
+    for ef in [e for e in efs if e >= k]:
+      index.set_ef(ef)
+      for mode, qs in query_sets.items():
+        qs32 = np.ascontiguousarray(qs, np.float32)
+        sub = np.arange(len(qs32)) if replay_queries <= 0 else np.unique(
+            np.linspace(0, len(qs32) - 1, min(replay_queries, len(qs32))).astype(int))
+        rep = [_replay_search(graph, keys32, sqn, qs32[i], ef, search_metric) for i in sub]
+        rep_ids = np.full((len(sub), k), -1, np.int64)
+        for j, (ids_j, _) in enumerate(rep):
+          rep_ids[j, :min(k, len(ids_j))] = ids_j[:k]
+        scanned = np.asarray([s for _, s in rep], float)
+        rep_recall = recall_matrix(rep_ids, truths[mode][sub], n)
+        row = {"mode": mode, "effort": ef, "scanned_frac": float(scanned.mean()) / n, "queries": len(qs),
+               "build_s": round(build_s, 3), "replayed_queries": len(sub)}
+        if p["metric"] == "l2ip":  # hnswlib cannot search an l2 graph by inner product: the replay is the result
+          row["recall"] = float(rep_recall.mean())
+        else:
+          ids, _ = index.knn_query(qs32, k=k)
+          ids = ids.astype(np.int64)
+          row["recall"] = float(recall_matrix(ids, truths[mode], n).mean())
+          same = [len(set(ids[i].tolist()) & set(rep_ids[j].tolist())) / k for j, i in enumerate(sub)]
+          row["replay_agree"] = round(float(np.mean(same)), 4)
+          row["replay_recall"] = round(float(rep_recall.mean()), 4)
+        rows.append(row)
+  return rows
+
+
+def peer_layer_study(q, k, layer, *, n, sinks, window, decode_steps, peers, k_top, efs, nprobe_fracs, kk_queries,
+                     seed, threads=None, replay_queries=0, log=print):
+  """Per-head rows for the outside indexes: same indexed keys, queries (the K->K sample drawn exactly as
+  layer_study draws it) and exact top-k as kvjax's own curves. One index per KV head."""
+  lo, hi_ = sinks, n - window
+  Hq, Hkv = q.shape[1], k.shape[1]
+  group = Hq // Hkv
+  rng = np.random.default_rng(seed + layer)
+  rows = []
+  for g in range(Hkv):
+    keys = np.ascontiguousarray(k[layer, g, lo:hi_])
+    n_idx = len(keys)
+    kk = keys[rng.choice(n_idx, min(kk_queries, n_idx), replace=False)].astype(np.float32)
+    heads = range(g * group, (g + 1) * group)
+    dec = np.concatenate([q[layer, h, n:n + decode_steps].astype(np.float32) for h in heads])
+    qs = {"Q->K": dec, "K->K": kk}
+    tr = {"Q->K": exact_topk_np(dec, keys, k_top), "K->K": exact_topk_np(kk, keys, k_top)}
+    cache = {}
+    for kind in sorted(peers, key=lambda x: x.endswith("_l2ip")):  # plain l2 before its metric is switched
+      t0 = time.perf_counter()
+      for r in _peer_curves(kind, keys, qs, tr, n_idx, k=k_top, efs=efs, nprobe_fracs=nprobe_fracs,
+                            threads=threads, replay_queries=replay_queries, cache=cache):
+        rows.append({"layer": layer, "kv_head": g, "q_head": "group", "kind": kind, "n_keys": n_idx, **r})
+      log(f"layer {layer} kv_head {g} {kind}: {time.perf_counter() - t0:.1f} s")
+  return rows
+
+
+def run_peers(model_name, *, n, decode_steps, text, layers, sinks, window, peers, compare, compare_kinds, k_top,
+              efs, nprobe_fracs, kk_queries, seed, cache_dir, name, out_dir, make_plot, threads=None,
+              replay_queries=0, log=print):
+  """Outside-reference curves on cached real vectors, set beside kvjax's own from `compare` (a recall JSON)."""
+  from experiments.results_io import write_results
+
+  data = load_or_capture(model_name, n, decode_steps=decode_steps, text=text, seed=seed, cache_dir=cache_dir)
+  meta = data["meta"]
+  q, k = data["q"], data["k"]
+  ref = json.loads(pathlib.Path(compare).read_text()) if compare else {"rows": []}
+  if not layers:
+    layers = sorted({r["layer"] for r in ref["rows"] if r["layer"] != "all"}) or default_layers(
+        meta["layer_windows"], q.shape[0])
+  t1 = time.perf_counter()
+  rows = []
+  for layer in layers:
+    rows += peer_layer_study(q, k, layer, n=n, sinks=sinks, window=window, decode_steps=decode_steps, peers=peers,
+                             k_top=k_top, efs=efs, nprobe_fracs=nprobe_fracs, kk_queries=kk_queries, seed=seed,
+                             threads=threads, replay_queries=replay_queries, log=log)
+  study_s = time.perf_counter() - t1
+  del q, k, data
+  curves = aggregate(rows)
+  n_idx = n - window - sinks
+  own = [r for r in ref["rows"] if r["kind"] in compare_kinds and r["layer"] in set(layers) | {"all"}]
+  if own and own[0]["n_keys"] != n_idx:
+    raise ValueError(f"{compare} indexed {own[0]['n_keys']} keys per head, this run {n_idx}")
+  kinds = list(compare_kinds) + list(peers)
+  both = own + curves
+  summary = summarize(both, kinds)
+  agree = [r["replay_agree"] for r in rows if "replay_agree" in r]
+  notes = (
+      f"Outside references on the same real vectors as `{pathlib.Path(compare).name if compare else '-'}`: "
+      f"{meta['model']}, N = {n}, layers {layers}, keys [{sinks}, {n - window}) = {n_idx} per KV head (float16 "
+      f"stored, float32 to the peers), Q->K = the {decode_steps} decode-step queries of every query head of the "
+      f"group, K->K = the same {kk_queries} sampled keys per KV head, truth = exact top-{k_top} by inner product. "
+      f"kvjax columns ({', '.join(compare_kinds)}) are copied from that file's curves, not rerun.\n\n"
+      "Peers: `faiss_hnsw<M>_ip|_l2` = faiss IndexHNSWFlat (efConstruction 200) built and searched with that "
+      "metric; `_l2ip` = the same L2-built index searched by inner product (storage metric switched after the "
+      "build), i.e. the setup of kvjax `graph`; `faiss_ivf<nlist>_ip` = IndexIVFFlat with an IndexFlatIP "
+      "quantizer. `hnswlib_ip|_l2` (M 16, ef_construction 200): recall from hnswlib's knn_query; hnswlib has no "
+      "distance counter in Python, so scanned comes from replaying its searchKnn on its saved graph in NumPy "
+      "(distinct distance computations"
+      + (f", on {replay_queries} evenly spaced queries per mode and head" if replay_queries > 0 else "")
+      + (f"; replayed top-{k_top} ids agree with knn_query's on {100 * min(agree):.1f}–{100 * max(agree):.1f}%"
+         if agree else "")
+      + "); `hnswlib_l2ip` = hnswlib's l2 graph searched by inner product, replay only. faiss HNSW scanned = "
+      "hnsw_stats.ndis per query (upper-level greedy steps included); faiss IVF scanned = nlist centroids + "
+      "sizes of the probed lists. Efforts: ef " + ",".join(map(str, efs)) + "; IVF nprobe = "
+      + ",".join(nprobe_fracs_str(nprobe_fracs)) + " of nlist. "
+      f"Peer study time {study_s:.0f} s (threads={threads}).\n\n"
+      + summary_markdown(summary, kinds) + "\n" + equal_scan_markdown(both, kinds)
+      + "\nRows below: peer curves, mean over the KV heads of each layer (layer 'all' = mean over layers).\n")
+  if not name:
+    name = f"recall_peers_{re.sub(r'[^a-z0-9]+', '', model_name.lower())}_{n // 1024}k"
+  doc = write_results(name, curves, out_dir=out_dir or None, notes=notes)
+  doc["summary"] = summary
+  doc["kvjax_rows"] = own
+  doc["per_head_rows"] = rows
+  doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {
+      "study_s": round(study_s, 1), "compare": str(compare), "layers": layers, "kinds": kinds}
+  directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
+  (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+  if make_plot:
+    plot(both, kinds, directory / f"{name}.png",
+         f"{meta['model']}, N={n} ({n_idx} keys/head): kvjax vs faiss / hnswlib, recall@{k_top}")
+  return curves, summary, notes
+
+
+def nprobe_fracs_str(fracs):
+  return [f"{f:g}" for f in fracs]
 
 
 def main(argv):
@@ -639,6 +996,20 @@ def main(argv):
     print(rerender(_RERENDER.value, make_plot=_PLOT.value)["notes"])
     return
   efs = [int(e) for e in _EFS.value]
+  if _PEERS.value:
+    if not _MODEL.value:
+      raise app.UsageError("--peers needs --model (cached real vectors)")
+    for kind in _PEERS.value:
+      parse_peer(kind)
+    _, _, notes = run_peers(
+        _MODEL.value, n=_CONTEXT.value, decode_steps=_STEPS.value, text=_TEXT.value,
+        layers=[int(x) for x in _LAYERS.value], sinks=_SINKS.value, window=_WINDOW.value, peers=_PEERS.value,
+        compare=_PEERS_CMP.value, compare_kinds=_PEERS_CMP_KINDS.value, k_top=_K.value, efs=efs,
+        nprobe_fracs=[float(f) for f in _NPROBE_FRACS.value], kk_queries=_KK_Q.value, seed=_SEED.value,
+        cache_dir=_CACHE.value, name=_NAME.value, out_dir=_OUT.value, make_plot=_PLOT.value,
+        threads=_THREADS.value, replay_queries=_REPLAY_Q.value)
+    print(notes)
+    return
   if _MODEL.value:
     if _DATA.value != "synthetic":
       raise app.UsageError("give --model or --data, not both")
