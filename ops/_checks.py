@@ -91,3 +91,27 @@ def check_pow2(name: str, value: int, minimum: int, hint: str = "") -> None:
 def check_implementation(implementation: str) -> None:
   if implementation not in ("pallas", "xla"):
     raise ValueError(f"{implementation=} must be 'pallas' or 'xla'")
+
+
+def check_query_and_cache(q: Any, k: Any, v: Any, *, q_layout: str, q_head_axis: int, layer: Any):
+  """Checks q against a head-major cache k, v ([B, Hkv, S, D], or [L, B, Hkv, S, D] with `layer`).
+
+  Returns (num_layers or None, batch, kv_heads, seq_len, head_dim).
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_float(name, x)
+  check_ndim("q", q, (len(q_layout.split(",")),), q_layout)
+  check_ndim("k", k, (4, 5), "[batch, kv_heads, seq, head_dim] or [layers, batch, kv_heads, seq, head_dim]")
+  if v.shape != k.shape:
+    raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
+  if v.dtype != k.dtype:
+    raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
+  num_layers = k.shape[0] if k.ndim == 5 else None
+  batch, kv_heads, seq_len, head_dim = k.shape[-4:]
+  if q.shape[0] != batch:
+    raise ValueError(f"q batch {q.shape[0]} (q.shape={tuple(q.shape)}) must equal k batch {batch}")
+  if q.shape[-1] != head_dim:
+    raise ValueError(f"q head_dim {q.shape[-1]} must equal k head_dim {head_dim}")
+  check_groups(q.shape[q_head_axis], kv_heads)
+  check_layer(layer, num_layers)
+  return num_layers, batch, kv_heads, seq_len, head_dim

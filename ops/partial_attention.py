@@ -258,24 +258,10 @@ def _partial_attention_xla(
 def _validate(q, k, v, lengths, starts, layer, implementation):
   """Boundary checks; returns (num_layers or None, seq_len)."""
   _checks.check_implementation(implementation)
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _checks.check_float(name, x)
-  _checks.check_ndim("q", q, (3,), "[batch, q_heads, head_dim]")
-  _checks.check_ndim("k", k, (4, 5), "[batch, kv_heads, seq, head_dim] or [layers, batch, kv_heads, seq, head_dim]")
-  if v.shape != k.shape:
-    raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
-  if v.dtype != k.dtype:
-    raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
-  num_layers = k.shape[0] if k.ndim == 5 else None
-  batch, kv_heads, seq_len, head_dim = k.shape[-4:]
-  if q.shape[0] != batch:
-    raise ValueError(f"q batch {q.shape[0]} (q.shape={tuple(q.shape)}) must equal k batch {batch}")
-  if q.shape[-1] != head_dim:
-    raise ValueError(f"q head_dim {q.shape[-1]} must equal k head_dim {head_dim}")
-  _checks.check_groups(q.shape[1], kv_heads)
+  num_layers, batch, _, seq_len, head_dim = _checks.check_query_and_cache(
+      q, k, v, q_layout="[batch, q_heads, head_dim]", q_head_axis=1, layer=layer)
   if implementation == "pallas":
     _checks.check_pow2("head_dim", head_dim, _MIN_TILE, " for implementation='pallas' (use 'xla')")
-  _checks.check_layer(layer, num_layers)
   for name, x in (("lengths", lengths), ("starts", starts)):
     if x is None:
       continue

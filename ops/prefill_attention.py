@@ -136,22 +136,8 @@ def _prefill_xla(
 def _prepare(q, k, v, q_positions, kv_lengths, window, layer, implementation, scale):
   if implementation != "xla":
     raise ValueError(f"{implementation=} must be 'xla' (no Pallas prefill kernel: see ops/NOTES.md)")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    _checks.check_float(name, x)
-  _checks.check_ndim("q", q, (4,), "[batch, chunk, q_heads, head_dim]")
-  _checks.check_ndim("k", k, (4, 5), "[batch, kv_heads, seq, head_dim] or [layers, batch, kv_heads, seq, head_dim]")
-  if v.shape != k.shape:
-    raise ValueError(f"v.shape={tuple(v.shape)} must equal k.shape={tuple(k.shape)}")
-  if v.dtype != k.dtype:
-    raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
-  num_layers = k.shape[0] if k.ndim == 5 else None
-  batch, kv_heads, seq_len, head_dim = k.shape[-4:]
-  if q.shape[0] != batch:
-    raise ValueError(f"q batch {q.shape[0]} must equal k batch {batch}")
-  if q.shape[-1] != head_dim:
-    raise ValueError(f"q head_dim {q.shape[-1]} must equal k head_dim {head_dim}")
-  _checks.check_groups(q.shape[2], kv_heads)
-  _checks.check_layer(layer, num_layers)
+  _, batch, _, seq_len, head_dim = _checks.check_query_and_cache(
+      q, k, v, q_layout="[batch, chunk, q_heads, head_dim]", q_head_axis=2, layer=layer)
   q_positions, kv_lengths = jnp.asarray(q_positions), jnp.asarray(kv_lengths)
   _checks.check_int("q_positions", q_positions)
   _checks.check_int("kv_lengths", kv_lengths)
