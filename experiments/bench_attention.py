@@ -2,11 +2,13 @@
 
 Usage (H200):  PYTHONPATH=. python3 experiments/bench_attention.py --out_dir=$OUT [--sweep]
 
-Each timed program runs the op on R distinct input buffers back to back inside
-one jit (R chosen so the buffers together exceed the 60 MB L2), so neither the
-cache nor Python dispatch flatters small sizes; time = median over reps / R.
-Effective bandwidth = K+V bytes that must be read / time; the ceiling is a
-large device-to-device copy in the same run, (bytes read + written) / time.
+Decode times are GPU device time read from a profiler trace (experiments/gpu_trace.py): the
+summed kernel time of one call, mean over calls that cycle through R distinct input buffers
+(R chosen so the buffers together exceed the 60 MB L2), so neither the cache nor launch and
+dispatch gaps flatter or penalize small sizes; every kernel an implementation launches
+(e.g. the split combine) is counted. The copy ceiling is timed the same way.
+Effective bandwidth = K+V bytes that must be read / time; the ceiling is a large
+device-to-device copy in the same run, (bytes read + written) / time.
 Writes bench_attention.json (device, jax, commit, date, command, rows) and
 bench_attention.md into --out_dir.
 """
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gpu_trace
 import ops
 
 L2_BYTES = 60 * 2**20
@@ -52,30 +55,10 @@ def _copies(nbytes_one):
   return int(min(24, max(2, math.ceil(4 * L2_BYTES / max(nbytes_one, 1)))))
 
 
-def _chain(op, calls):
-  """jit of `calls` back-to-back calls of op cycling over distinct (q, k, v) sets.
-
-  Each query depends (by a negligible amount) on the previous result, so XLA
-  can neither reorder, merge nor drop the calls.
-  """
-  @jax.jit
-  def run(qs, ks, vs):
-    acc = jnp.float32(0)
-    n = len(qs)
-    for i in range(calls):
-      q = qs[i % n] + (acc * 1e-30).astype(qs[0].dtype)
-      o, lse = op(q, ks[i % n], vs[i % n])
-      acc = acc + o[0, 0, 0] + lse[0, 0]
-    return acc
-  return run
-
-
 def _time_per_call(op, args, reps):
-  """Seconds per call: (T(2N calls) - T(N calls)) / N removes launch/dispatch overhead."""
-  n = max(len(args[0]), 8)
-  t1 = _median_time(_chain(op, n), args, reps)
-  t2 = _median_time(_chain(op, 2 * n), args, reps)
-  return max(t2 - t1, 1e-9) / n
+  """Device seconds per call of op(q, k, v), cycling over the distinct buffers in `args`."""
+  arg_sets = list(zip(*args))
+  return gpu_trace.device_seconds_per_call(op, arg_sets, calls=max(reps, len(arg_sets)))
 
 
 def _rand(key, shape, dtype=DTYPE):
@@ -93,7 +76,7 @@ def copy_bandwidth(reps):
       "bf16_copy_2GiB": (jax.jit(lambda x: jnp.copy(x) + 0), x),
   }
   for name, (fn, arg) in variants.items():
-    t = _median_time(fn, (arg,), reps)
+    t = gpu_trace.device_seconds_per_call(fn, [(arg,)], reps)
     results[name] = (2 * arg.nbytes / t, t)
   return results
 
@@ -179,7 +162,7 @@ def stacked_rows(seqs, impls, reps, copy_bw, layers=32):
         _, out = jax.lax.scan(step, (k, v), (jnp.arange(layers, dtype=jnp.int32), q))
         return out.sum()
       try:
-        t = _median_time(run, (q, k, v), reps) / layers
+        t = gpu_trace.device_seconds_per_call(run, [(q, k, v)], reps) / layers
         bw = kv_bytes / t
         rows.append(dict(kind="decode_stacked_L32", impl=impl, batch=batch, tokens=seq,
                          us=round(t * 1e6, 2), GBps=round(bw / 1e9, 1),

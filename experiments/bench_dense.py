@@ -26,7 +26,7 @@ from kvjax import engine
 from kvjax.policies import FullAttention
 from kvjax.sampling import SamplingConfig
 from models.config import RopeScaling
-from models.decoder import unstack_layers
+from models.decoder import decode_layout, unstack_layers
 from models.rope import rope_tables
 import results_io
 
@@ -34,8 +34,11 @@ flags.DEFINE_list("models", ["smollm2", "random:llama3-8b"], "Models to time.")
 flags.DEFINE_list("context_lens", ["32768", "131072"], "Context lengths.")
 flags.DEFINE_list("batches", ["1"], "Batch sizes.")
 flags.DEFINE_list("implementations", ["pallas", "xla"], "Decode attention implementations, side by side.")
-flags.DEFINE_list("layer_loops", ["scan", "unrolled"], "Decode layer loop: lax.scan over stacked weights, or "
-                  "unrolled over per-layer weights (models.decoder.unstack_layers).")
+LAYOUTS = ("scan", "unrolled", "fused_scan", "fused_unrolled")
+flags.DEFINE_list("layouts", ["scan", "unrolled", "fused_unrolled"],
+                  f"Decode parameter layouts, from {LAYOUTS}: lax.scan over stacked weights or unrolled over "
+                  "per-layer weights (models.decoder.unstack_layers), with q/k/v and gate/up fused or not "
+                  "(models.decoder.fuse_projections).")
 flags.DEFINE_enum("fill", "real", ["real", "random"], "Prefill for real, or fill the cache with random values.")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk.")
 flags.DEFINE_integer("steps", 40, "Timed decode steps (after 3 warm-up steps).")
@@ -122,13 +125,16 @@ def run_cases(model, context_len: int, batch: int, ceiling: float) -> list[dict]
   kv_read = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context_len + 3) * cfg.head_dim * dtype.itemsize
   w_read = weight_bytes_per_token(model.params, cfg)
   rows = []
-  unstacked = None
-  for loop in FLAGS.layer_loops:
-    if loop == "unrolled":
-      unstacked = unstack_layers(model.params)
-    params = unstacked if loop == "unrolled" else model.params
+  for layout in FLAGS.layouts:
+    if layout not in LAYOUTS:
+      raise app.UsageError(f"--layouts: {layout!r} is not one of {LAYOUTS}")
+    # every layout but "scan" is a second copy of the weights, dropped after its rows
+    if layout.startswith("fused"):
+      params = decode_layout(model.params, unroll=layout == "fused_unrolled")
+    else:
+      params = unstack_layers(model.params) if layout == "unrolled" else model.params
     for impl in FLAGS.implementations:
-      row = base | dict(impl=impl, layers=loop) | prefill_row
+      row = base | dict(impl=impl, layout=layout) | prefill_row
       try:
         seconds, state = time_decode(params, cfg, FullAttention(implementation=impl), rope, state, context_len, batch)
         effective = (kv_read + w_read) / seconds
@@ -139,7 +145,7 @@ def run_cases(model, context_len: int, batch: int, ceiling: float) -> list[dict]
         row["error"] = f"{type(e).__name__}: {e}"[:300]
       print(row, flush=True)
       rows.append(row)
-  del unstacked
+    del params
   return rows
 
 
@@ -148,7 +154,7 @@ def main(argv):
   ceiling = copy_bandwidth(FLAGS.copy_mib << 20)
   rows = []
   for name in FLAGS.models:
-    model = kvjax.load_model(name, dtype=FLAGS.dtype)
+    model = kvjax.load_model(name, dtype=FLAGS.dtype, layout="stacked")  # the layouts are made below
     for context_len in map(int, FLAGS.context_lens):
       for batch in map(int, FLAGS.batches):
         try:

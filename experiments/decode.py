@@ -78,7 +78,7 @@ def main(argv):
   else:
     options = cli.policy_options(type(make_policy(FLAGS.policy)), FLAGS)
     policy = make_policy(FLAGS.policy, **options)
-  model = kvjax.load_model(FLAGS.model, dtype=dtype)
+  model = kvjax.load_model(FLAGS.model, dtype=dtype, layout=FLAGS.layout)
   if FLAGS.rope_scaling:
     scaling = cli.parse_rope_scaling(FLAGS.rope_scaling, model.cfg.max_position)
     model = dataclasses.replace(model, cfg=model.cfg.with_rope_scaling(scaling))

@@ -51,6 +51,9 @@ def define_flags() -> None:
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "
                       "float32, bfloat16 or float16.")
+  flags.DEFINE_enum("layout", "auto", ["auto", "stacked", "unrolled"],
+                    "Parameter layout: stacked layers under lax.scan, or unrolled per-layer weights with "
+                    "fused projections (auto: unrolled for large models on a GPU).")
   flags.DEFINE_string("save_context", None, "Save the prefilled context to this path.")
   flags.DEFINE_string("load_context", None, "Decode from a saved context instead of prefilling.")
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")

@@ -2,6 +2,14 @@
 
 Each function takes the policy state as a donated argument, so the KV cache is updated in
 place across chunks and steps instead of being copied.
+
+With unrolled layers (`models.decoder.decode_layout(..., unroll=True)`) the programs are
+compiled with XLA's command buffers (CUDA graphs) off. XLA cannot put the Pallas kernels in a
+command buffer, so an unrolled step becomes dozens of small graphs between them, and launching
+those cost more than plain kernel launches: on the H200 a Llama-3-8B-shaped step at 128K took
+12.7 ms with command buffers and 10.5 ms without; under `lax.scan` (one while loop) they help
+instead (SmolLM2 at 32K: 2.8 vs 6.1 ms), so stacked layers keep XLA's default
+(experiments/results/bench_dense_command_buffers.md).
 """
 
 from __future__ import annotations
@@ -17,7 +25,23 @@ from models.config import ModelConfig
 from models.decoder import forward_hidden, logits_from_hidden
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("state", "last_hidden"))
+_NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def _jit_by_layout(fn, **jit_kwargs):
+  """`fn` jitted twice, XLA defaults for stacked layers and command buffers off for unrolled
+  ones; calls dispatch on the type of params["layers"] (first argument)."""
+  stacked = jax.jit(fn, **jit_kwargs)
+  unrolled = jax.jit(fn, compiler_options=_NO_COMMAND_BUFFERS, **jit_kwargs)
+
+  @functools.wraps(fn)
+  def call(params, *args, **kwargs):
+    jitted = unrolled if isinstance(params["layers"], (list, tuple)) else stacked
+    return jitted(params, *args, **kwargs)
+
+  return call
+
+
 def prefill_chunk(
     params,
     rope,  # (inv_freq [L, head_dim // 2], factors [L])
@@ -40,6 +64,10 @@ def prefill_chunk(
   return jnp.where(in_chunk[:, None], picked, last_hidden), state
 
 
+prefill_chunk = _jit_by_layout(prefill_chunk, static_argnames=("cfg", "policy"),
+                               donate_argnames=("state", "last_hidden"))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
 def first_token(params, last_hidden, key, *, cfg: ModelConfig, sampling: SamplingConfig):
   """Samples the first generated token from the prompt's last hidden state [batch, hidden]."""
@@ -47,7 +75,6 @@ def first_token(params, last_hidden, key, *, cfg: ModelConfig, sampling: Samplin
   return sample(logits, key, sampling), logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "policy", "sampling"), donate_argnames=("state",))
 def decode_step(
     params,
     rope,
@@ -67,3 +94,6 @@ def decode_step(
       attention_state=state)
   logits = logits_from_hidden(params, cfg, hidden[:, 0])
   return sample(logits, key, sampling), logits, state
+
+
+decode_step = _jit_by_layout(decode_step, static_argnames=("cfg", "policy", "sampling"), donate_argnames=("state",))

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig, RopeScaling, param_shapes
+from models.decoder import decode_layout
 from models.tokenizer import Tokenizer
 
 
@@ -35,8 +36,9 @@ class LoadedModel:
 
   Attributes:
     cfg: its architecture (with any `rope_scaling` override applied).
-    params: the layer-stacked parameter pytree (`models.config`) as jax arrays on the
-      default device, in `cfg.dtype`.
+    params: the parameter pytree (`models.config`) as jax arrays on the default device, in
+      `cfg.dtype`: layer-stacked, or with the "unrolled" layout a list of per-layer dicts with
+      fused projections (`models.decoder.decode_layout`).
     tokenizer: its tokenizer, or None for random models (feed token ids).
     source: where it came from, in words (path, package, sha256, cache hit...).
   """
@@ -292,9 +294,30 @@ def _is_chunk(path: str) -> bool:
 
 
 # ------------------------------------------------------------------ loading
-def _finish(cfg, params, tokenizer, source, rope_scaling) -> LoadedModel:
+LAYOUTS = ("auto", "stacked", "unrolled")
+# "auto" unrolls on a GPU from this many weight bytes per layer. Measured on the H200
+# (experiments/results/bench_dense_command_buffers.md): SmolLM2 (~7 MB per layer in bf16)
+# decodes faster stacked under lax.scan, Llama-3-8B shapes (~436 MB per layer) 1.7x faster
+# unrolled; the threshold sits between the two measured points.
+UNROLL_MIN_LAYER_BYTES = 64 << 20
+
+
+def resolve_layout(layout: str, cfg, params) -> str:
+  """"stacked" or "unrolled" for `layout` ("auto" decides by backend and layer size)."""
+  if layout != "auto":
+    return layout
+  if jax.default_backend() != "gpu":
+    return "stacked"
+  layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["layers"])) / cfg.num_layers
+  return "unrolled" if layer_bytes >= UNROLL_MIN_LAYER_BYTES else "stacked"
+
+
+def _finish(cfg, params, tokenizer, source, rope_scaling, layout) -> LoadedModel:
   if rope_scaling is not None:
-    cfg = cfg.with_rope_scaling(rope_scaling)
+    cfg = cfg.with_rope_scaling(rope_scaling, layout)
+  if resolve_layout(layout, cfg, params) == "unrolled":
+    params = decode_layout(params, unroll=True)
+    source += ", unrolled layers with fused projections"
   return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, source=source)
 
 
@@ -359,6 +382,7 @@ def load_model(
     rope_scaling: RopeScaling | None = None,
     use_cache: bool = True,
     seed: int = 0,
+    layout: str = "auto",
 ) -> LoadedModel:
   """Loads a model by name or path.
 
@@ -373,6 +397,10 @@ def load_model(
     rope_scaling: overrides the config's RoPE scaling (None keeps the model's own).
     use_cache: read and write the parameter cache for GGUF and HF sources.
     seed: seed of random models.
+    layout: "stacked" (layer-stacked weights, layers run under lax.scan), "unrolled"
+      (per-layer weights with fused q/k/v and gate/up, layers unrolled: fastest decode for
+      large models on a GPU) or "auto" (unrolled on a GPU from UNROLL_MIN_LAYER_BYTES
+      per layer, stacked otherwise).
 
   Returns:
     A LoadedModel with device params.
@@ -383,11 +411,13 @@ def load_model(
   """
   if dtype not in ("float32", "bfloat16", "float16"):
     raise ValueError(f"unsupported {dtype=}; expected float32, bfloat16 or float16")
+  if layout not in LAYOUTS:
+    raise ValueError(f"unsupported {layout=}; expected one of {LAYOUTS}")
   key = os.fspath(name_or_path)
   low = key.lower()
   if low.startswith("random:"):
     cfg = _random_cfg(low.removeprefix("random:"), dtype)
-    return _finish(cfg, random_params(cfg, seed), None, f"random weights (seed {seed})", rope_scaling)
+    return _finish(cfg, random_params(cfg, seed), None, f"random weights (seed {seed})", rope_scaling, layout)
   if low in _REAL:
     canonical = _REAL[low]
     if canonical == "SmolLM2-135M-Instruct":
@@ -406,14 +436,14 @@ def load_model(
     else:
       path = _assembled_gguf("Qwen2.5-Coder-0.5B-Instruct", QWEN25_PARTS, cache_dir, size=QWEN25_SIZE)
       cfg, params, tok, src = _load_gguf_source(path, name=canonical, dtype=dtype, cache_dir=cache_dir, use_cache=use_cache)
-    return _finish(cfg, params, tok, src, rope_scaling)
+    return _finish(cfg, params, tok, src, rope_scaling, layout)
   if os.path.isfile(key) and key.endswith(".gguf"):
     name = os.path.basename(key).removesuffix(".gguf")
     cfg, params, tok, src = _load_gguf_source(key, name=name, dtype=dtype, cache_dir=cache_dir, use_cache=use_cache)
-    return _finish(cfg, params, tok, src, rope_scaling)
+    return _finish(cfg, params, tok, src, rope_scaling, layout)
   if os.path.isdir(key) and os.path.isfile(os.path.join(key, "config.json")):
     cfg, params, tok, src = _load_hf_source(key, dtype=dtype, cache_dir=cache_dir, use_cache=use_cache)
-    return _finish(cfg, params, tok, src, rope_scaling)
+    return _finish(cfg, params, tok, src, rope_scaling, layout)
   raise ValueError(
       f"unknown model {key!r}: expected one of {', '.join(KNOWN_NAMES)}, a path to a .gguf file, "
       "or an HF directory with config.json"

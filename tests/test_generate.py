@@ -125,3 +125,18 @@ def test_unrolled_layers_equal_scanned_layers():
   a = kvjax.generate(model, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
   b = kvjax.generate(unrolled, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
   np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("unroll", [False, True])
+def test_decode_layout_equals_stacked_layers(family, unroll):
+  # fused q/k/v (with Qwen2's biases) and gate/up, stacked or unrolled: the same model
+  from models.decoder import decode_layout
+
+  model = tiny_model(family)
+  fused = dataclasses.replace(model, params=decode_layout(model.params, unroll=unroll))
+  assert "wq" not in (fused.params["layers"][0] if unroll else fused.params["layers"])
+  prompt = random_prompt(19)
+  a = kvjax.generate(model, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
+  b = kvjax.generate(fused, prompt, max_new_tokens=5, prefill_chunk=8, return_logits=True)
+  np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)

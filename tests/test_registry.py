@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kvjax
 from models import param_cache
 from models.config import RopeScaling, param_shapes
 from models.registry import KNOWN_NAMES, RANDOM_NAMES, _random_cfg, load_model, random_params
@@ -213,3 +214,21 @@ def test_param_cache_root_env(tmp_path, monkeypatch):
   monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "env"))
   assert param_cache.cache_root() == str(tmp_path / "env" / "params")
   assert param_cache.cache_root(tmp_path / "x") == str(tmp_path / "x" / "params")
+
+
+def test_unrolled_layout_is_the_same_model():
+  stacked = load_model("random:tiny", layout="stacked")
+  unrolled = load_model("random:tiny", layout="unrolled")
+  assert isinstance(unrolled.params["layers"], list) and "wqkv" in unrolled.params["layers"][0]
+  assert "unrolled" in unrolled.source
+  prompt = [1, 5, 9, 13, 2, 7]
+  a = kvjax.generate(stacked, prompt, max_new_tokens=4, return_logits=True)
+  b = kvjax.generate(unrolled, prompt, max_new_tokens=4, return_logits=True)
+  np.testing.assert_allclose(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_layout_stays_stacked_on_cpu_and_bad_layout_is_refused():
+  if jax.default_backend() == "cpu":
+    assert not isinstance(load_model("random:tiny").params["layers"], list)
+  with pytest.raises(ValueError, match="layout='scanned'"):
+    load_model("random:tiny", layout="scanned")
