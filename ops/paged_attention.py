@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ops import _checks
-from ops.merge import merge_stacked
+from ops.split_combine import combine_splits
 from ops.partial_attention import _MIN_TILE, _NEG_INF, _TARGET_PROGRAMS, _pad_groups, _select_layer
 
 
@@ -110,6 +110,8 @@ def _paged_pallas(
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
     compiler_params = plgpu.CompilerParams(
         num_warps=num_warps or 4, num_stages=num_stages or 3)
+  # A power of two for the combine kernel; programs past the last real split find no pages.
+  num_splits = pl.next_power_of_2(num_splits)
   o, lse = pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, num_splits),
@@ -133,10 +135,7 @@ def _paged_pallas(
       interpret=interpret,
       name=f"kvjax_paged_attention_p{page_size}_ns{num_splits}",
   )(layer, page_counts, page_ids, qg, k_pages, v_pages)
-  o, lse = merge_stacked(o, lse, axis=2)  # [B, Hkv, Gp, (D)]
-  o = o[:, :, :groups].reshape(batch, q_heads, head_dim)
-  lse = lse[:, :, :groups].reshape(batch, q_heads)
-  return o, lse
+  return combine_splits(o, lse, groups=groups, interpret=interpret)  # [B, Hq, D], [B, Hq]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "highest"))

@@ -4,7 +4,8 @@ Layers, as in jax/experimental/pallas/ops/gpu/decode_attention.py:
   * `_kernel`: one program per (sequence, KV head, split of S); online softmax
     over key blocks; writes the split's normalized o and its lse (flash residuals).
   * `_partial_attention_pallas`: builds the grid, calls `pl.pallas_call`, and
-    combines the splits with `merge_stacked` (the same math as `merge_partials`).
+    combines the splits with `ops.split_combine` (one small kernel; the math of
+    `merge_partials`).
   * `partial_attention`: the public, validated entry point (`implementation=`
     switches between the Pallas kernel and the XLA path).
   * `partial_attention_reference`: plain jnp in float32, HIGHEST precision.
@@ -25,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ops import _checks
-from ops.merge import merge_stacked
+from ops.split_combine import combine_splits
 
 _NEG_INF = float("-inf")
 # Triton's tl.dot needs every tile dimension >= 16.
@@ -181,9 +182,12 @@ def _partial_attention_pallas(
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
     compiler_params = plgpu.CompilerParams(
         num_warps=num_warps or 4, num_stages=num_stages or 2)
+  # The combine kernel reads all splits as one Triton block: a power of two. Programs past
+  # the last real split find no keys and write empty residuals (lse = -inf).
+  grid_splits = pl.next_power_of_2(num_splits) if num_splits > 1 else 1
   o, lse = pl.pallas_call(
       kernel,
-      grid=(batch, kv_heads, num_splits),
+      grid=(batch, kv_heads, grid_splits),
       in_specs=[
           pl.BlockSpec((1,), lambda b, h, s: (0,)),
           pl.BlockSpec((None,), lambda b, h, s: (b,)),
@@ -197,20 +201,18 @@ def _partial_attention_pallas(
           pl.BlockSpec((None, None, None, gp), lambda b, h, s: (b, h, s, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, gp, head_dim), jnp.float32),
-          jax.ShapeDtypeStruct((batch, kv_heads, num_splits, gp), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_splits, gp, head_dim), jnp.float32),
+          jax.ShapeDtypeStruct((batch, kv_heads, grid_splits, gp), jnp.float32),
       ],
       compiler_params=compiler_params,
       interpret=interpret,
-      name=f"kvjax_partial_attention_bk{block_k}_ns{num_splits}",
+      name=f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}",
   )(layer, starts, lengths, qg, k, v)
-  if num_splits == 1:
-    o, lse = o[:, :, 0], lse[:, :, 0]  # already normalized: skip the merge kernels
-  else:
-    # Combine the splits' residuals: [B, Hkv, ns, Gp, D] -> [B, Hkv, Gp, D].
-    o, lse = merge_stacked(o, lse, axis=2)
-  o = o[:, :, :groups].reshape(batch, q_heads, head_dim)
-  lse = lse[:, :, :groups].reshape(batch, q_heads)
+  if grid_splits > 1:  # [B, Hkv, ns, Gp, D] -> [B, Hq, D]
+    return combine_splits(o, lse, groups=groups, interpret=interpret)
+  # One split is already normalized.
+  o = o[:, :, 0, :groups].reshape(batch, q_heads, head_dim)
+  lse = lse[:, :, 0, :groups].reshape(batch, q_heads)
   return o, lse
 
 
