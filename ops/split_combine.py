@@ -7,7 +7,9 @@ for a query group padded to Gp rows (Triton's dot needs 16). Combining them with
 reductions) plus a slice dropping the padded rows: ~10 µs of device time and six launches per
 layer and step on the H200 (experiments/results/profile_decode_*.md), as much as the whole
 attention of a 2K-token set. This kernel does the same exact LSE merge in one launch, reading
-only the group's real rows, as an online merge over the splits.
+only the group's real rows. Its programs split head_dim as well as (sequence, KV head): a
+first version with one program per (sequence, KV head) looping over the splits took 18 µs
+per call at batch 1 (8 programs, latency-bound), slower than the XLA kernels it replaced.
 """
 
 from __future__ import annotations
@@ -16,40 +18,33 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 _NEG_INF = float("-inf")
+# f32 elements of a program's o tile (32 KB: 64 registers per thread at 4 warps), and the
+# smallest head_dim block (a power of two; head_dim is one too).
+_TILE_ELEMENTS = 8192
+_MIN_D_BLOCK = 16
 
 
 def _combine_kernel(
-    o_ref,  # [ns, Gc, D] float32: per-split outputs, each normalized over its split
+    o_ref,  # [ns, Gc, Dc] float32: per-split outputs, each normalized over its split
     lse_ref,  # [ns, Gc] float32: per-split log-sum-exp (-inf: empty split)
-    out_o_ref,  # [Gc, D] float32
-    out_lse_ref,  # [Gc] float32
-    *,
-    num_splits: int,
+    out_o_ref,  # [Gc, Dc] float32
+    out_lse_ref,  # [Gc] float32 (every head_dim block writes the same values)
 ):
-  rows, head_dim = out_o_ref.shape
-
-  def body(i, carry):
-    acc, m, l = carry  # [Gc, D], [Gc], [Gc]: acc and l relative to exp(m)
-    lse_i = lse_ref[i, :]
-    m_next = jnp.maximum(m, lse_i)
-    shift = jnp.where(jnp.isfinite(m_next), m_next, 0.0)  # all-empty so far: exp(-inf) = 0
-    alpha = jnp.exp(m - shift)
-    w = jnp.exp(lse_i - shift)
-    # An empty split's o is ignored even if it holds NaN.
-    o_i = jnp.where(w[:, None] > 0, o_ref[i, :, :], 0.0)
-    return alpha[:, None] * acc + w[:, None] * o_i, m_next, alpha * l + w
-
-  init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG_INF, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, m, l = lax.fori_loop(0, num_splits, body, init)
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)
-  out_o_ref[...] = jnp.where(nonempty[:, None], acc / safe_l[:, None], 0.0)
-  out_lse_ref[...] = jnp.where(nonempty, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe_l), _NEG_INF)
+  lse = lse_ref[...]
+  m = jnp.max(lse, axis=0)  # [Gc]
+  shift = jnp.where(jnp.isfinite(m), m, 0.0)  # all splits empty: exp(-inf) = 0
+  w = jnp.exp(lse - shift[None, :])  # [ns, Gc]
+  total = jnp.sum(w, axis=0)
+  # An empty split's o is ignored even if it holds NaN.
+  o = jnp.where(w[:, :, None] > 0, o_ref[...], 0.0)
+  acc = jnp.sum(w[:, :, None] * o, axis=0)  # [Gc, Dc]
+  nonempty = total > 0
+  safe_total = jnp.where(nonempty, total, 1.0)
+  out_o_ref[...] = jnp.where(nonempty[:, None], acc / safe_total[:, None], 0.0)
+  out_lse_ref[...] = jnp.where(nonempty, shift + jnp.log(safe_total), _NEG_INF)
 
 
 def combined_rows(groups: int) -> int:
@@ -75,16 +70,19 @@ def combine_splits(
   rows = combined_rows(groups)
   assert rows <= gp and gp % rows == 0, (groups, gp)
   assert num_splits == pl.next_power_of_2(num_splits), num_splits  # Triton block shapes
+  assert head_dim == pl.next_power_of_2(head_dim), head_dim
+  # head_dim blocks small enough that a program's [ns, Gc, Dc] tile stays in registers.
+  d_block = max(_MIN_D_BLOCK, min(head_dim, _TILE_ELEMENTS // (num_splits * rows)))
   out_o, out_lse = pl.pallas_call(
-      functools.partial(_combine_kernel, num_splits=num_splits),
-      grid=(batch, kv_heads),
+      _combine_kernel,
+      grid=(batch, kv_heads, head_dim // d_block),
       in_specs=[
-          pl.BlockSpec((None, None, num_splits, rows, head_dim), lambda b, h: (b, h, 0, 0, 0)),
-          pl.BlockSpec((None, None, num_splits, rows), lambda b, h: (b, h, 0, 0)),
+          pl.BlockSpec((None, None, num_splits, rows, d_block), lambda b, h, d: (b, h, 0, 0, d)),
+          pl.BlockSpec((None, None, num_splits, rows), lambda b, h, d: (b, h, 0, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0)),
-          pl.BlockSpec((None, None, rows), lambda b, h: (b, h, 0)),
+          pl.BlockSpec((None, None, rows, d_block), lambda b, h, d: (b, h, 0, d)),
+          pl.BlockSpec((None, None, rows), lambda b, h, d: (b, h, 0)),
       ],
       out_shape=[
           jax.ShapeDtypeStruct((batch, kv_heads, rows, head_dim), jnp.float32),

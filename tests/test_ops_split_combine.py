@@ -9,9 +9,9 @@ from ops.merge import merge_stacked
 from ops.split_combine import combine_splits
 
 
-@pytest.mark.parametrize("groups,gp,splits", [(4, 16, 8), (3, 16, 4), (1, 16, 2), (8, 8, 16)])
+@pytest.mark.parametrize("groups,gp,splits", [(4, 16, 8), (3, 16, 4), (1, 16, 2), (8, 8, 16), (4, 16, 64)])
 def test_combine_equals_merge_stacked(groups, gp, splits):
-  batch, kv_heads, head_dim = 2, 3, 32
+  batch, kv_heads, head_dim = 2, 3, 64  # 64 splits x 4 rows: head_dim in two blocks
   ko, kl, ke = jax.random.split(jax.random.key(groups * 100 + splits), 3)
   o = jax.random.normal(ko, (batch, kv_heads, splits, gp, head_dim), jnp.float32)
   lse = 3 * jax.random.normal(kl, (batch, kv_heads, splits, gp), jnp.float32)
