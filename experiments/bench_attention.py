@@ -21,7 +21,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ import numpy as np
 
 import gpu_trace
 import ops
+import results_io
 
 L2_BYTES = 60 * 2**20
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -319,11 +319,7 @@ def main():
   parser.add_argument("--skip", default="", help="comma list of sections to skip")
   args = parser.parse_args()
   skip = set(filter(None, args.skip.split(",")))
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            check=True).stdout.strip()
-  except Exception:
-    commit = "uncommitted"
+  commit = results_io.stamp()["commit"]
   copies = copy_bandwidth(args.reps)
   copy_name = max(copies, key=lambda k: copies[k][0])
   copy_bw = copies[copy_name][0]

@@ -14,6 +14,9 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def _commit() -> str:
+  # The GPU machine's checkout carries a stale .git: the caller passes the real commit.
+  if os.environ.get("KVJAX_COMMIT"):
+    return os.environ["KVJAX_COMMIT"]
   try:
     out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True,
                          cwd=RESULTS_DIR.parent)

@@ -9,7 +9,7 @@ command buffer, so an unrolled step becomes dozens of small graphs between them,
 those cost more than plain kernel launches: on the H200 a Llama-3-8B-shaped step at 128K took
 12.7 ms with command buffers and 10.5 ms without; under `lax.scan` (one while loop) they help
 instead (SmolLM2 at 32K: 2.8 vs 6.1 ms), so stacked layers keep XLA's default
-(experiments/results/bench_dense_command_buffers.md).
+(experiments/results/command_buffers/README.md).
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ def _is_chunk(path: str) -> bool:
 # ------------------------------------------------------------------ loading
 LAYOUTS = ("auto", "stacked", "unrolled")
 # "auto" unrolls on a GPU from this many weight bytes per layer. Measured on the H200
-# (experiments/results/bench_dense_command_buffers.md): SmolLM2 (~7 MB per layer in bf16)
+# (experiments/results/command_buffers/README.md): SmolLM2 (~7 MB per layer in bf16)
 # decodes faster stacked under lax.scan, Llama-3-8B shapes (~436 MB per layer) 1.7x faster
 # unrolled; the threshold sits between the two measured points.
 UNROLL_MIN_LAYER_BYTES = 64 << 20
