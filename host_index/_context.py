@@ -258,6 +258,42 @@ class HostContext:
             self._extend(seqs[:done], layers[:done], starts[:done], q, nthreads)
         return new
 
+    def index_stored(self, seqs, layers, *, queries=None, threads=None) -> None:
+        """Indexes the stored but not yet indexed tokens of several (seq, layer)s, one C call.
+
+        Decoding appends each token leaving the device window with `append` (a copy, on
+        the critical path) and indexes it here later, off the critical path; until then
+        the caller attends those tokens exactly by store id.
+
+        Args:
+            seqs, layers: [T] int: distinct (seq, layer) pairs.
+            queries: [T, Hq, n, D] or None: the queries of each pair's n unindexed tokens
+                (roar links a new key through its own query; other kinds ignore them).
+                Every pair must then have exactly n unindexed tokens.
+            threads: OpenMP threads (default: all; at most one per index).
+        """
+        seqs, layers = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
+                        for a, name in ((seqs, "seqs"), (layers, "layers")))
+        if len(seqs) != len(layers) or len(set(zip(seqs, layers))) != len(seqs):
+            raise ValueError(f"seqs {seqs} and layers {layers} must be equally many distinct pairs")
+        starts = []
+        for s, l in zip(seqs, layers):
+            self.store._check(s, l)
+            starts.append(self.indexed(s, l))
+        q = None
+        if queries is not None and self.per_q_head:
+            qshape = np.shape(queries)
+            pending = {self.store.length(s, l) - st for s, l, st in zip(seqs, layers, starts)}
+            if (len(qshape) != 4 or qshape[:2] != (len(seqs), self.num_q_heads)
+                    or qshape[3] != self.head_dim or pending != {qshape[2]}):
+                raise ValueError(f"queries {qshape} must be [{len(seqs)}, {self.num_q_heads}, n, "
+                                 f"{self.head_dim}] with n the unindexed tokens of every pair "
+                                 f"({sorted(pending)})")
+            q = _dtypes.as_f32(np.reshape(queries, (-1, self.head_dim)), "queries", ndim=2,
+                               dim=self.head_dim).reshape(qshape)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        self._extend(seqs, layers, starts, q, nthreads)
+
     def _extend(self, seqs, layers, starts, q, nthreads) -> None:
         """Indexes every stored token of the (seq, layer)s in one C call.
 

@@ -5,6 +5,14 @@ plus the retrieval settings, counters and error log of one run) is registered un
 integer id; the id travels in the policy state as a traced int32 and the callback looks the
 runtime up. One compiled decode step therefore serves every context of the same shapes.
 
+Tokens leaving the device window are copied into the host store on the critical path and
+indexed off it: each layer's callback hands the indexing of its new tokens (and, speculative,
+the next step's search) to a background thread, and waits for that job at the same layer's
+callback of the next step, after every other layer had its turn. Tokens stored but not yet
+indexed are attended exactly, by store id, beside the retrieved ones (one or two per layer
+in steady state), so deferring the insert loses nothing. A graph insert costs about as much as
+a search, so this takes roughly half the host work of a plain retrieval step off its critical path.
+
 Callbacks never raise inside the jitted program: an exception is logged on the runtime,
 the callback returns a nonzero status (and o = 0, lse = -inf so the step stays finite), and
 `HostRuntime.raise_errors()` raises it after the step.
@@ -55,12 +63,14 @@ class HostStats:
   """Per-run counters (seconds are host wall time inside callbacks)."""
 
   callbacks: int = 0
-  insert_seconds: float = 0.0
-  attend_seconds: float = 0.0  # search + attention on the critical path
-  wait_seconds: float = 0.0  # speculative: waiting for a background search to finish
-  background_seconds: float = 0.0  # speculative: search time hidden in background threads
+  insert_seconds: float = 0.0  # storing evicted tokens (a copy) on the critical path
+  attend_seconds: float = 0.0  # search + attention (+ waits) on the critical path
+  wait_seconds: float = 0.0  # waiting for the previous step's background job of a layer
+  index_seconds: float = 0.0  # background: indexing stored tokens
+  background_seconds: float = 0.0  # speculative: search time in the background thread
   callback_seconds: float = 0.0
   inserted_tokens: int = 0
+  unindexed_attended: int = 0  # stored-not-yet-indexed tokens attended exactly, summed over layers
   scanned: int = 0
   searched_heads: int = 0
   speculated_groups: int = 0  # (seq, layer, kv head, step) served from the previous selection
@@ -89,8 +99,8 @@ def default_background_threads() -> int:
 class HostRuntime:
   """One run's host context, retrieval settings and error log.
 
-  background_threads: OpenMP threads of the speculative background search (default half the
-  cores, `default_background_threads`); the critical path uses all of them.
+  background_threads: OpenMP threads of the background jobs (indexing, speculative search;
+  default half the cores, `default_background_threads`); the critical path uses all of them.
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
@@ -107,7 +117,8 @@ class HostRuntime:
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
     # launched with it, whose ids [B, Hq, k] serve the next step.
     self._previous_query: dict[int, np.ndarray] = {}
-    self._pending: dict[int, concurrent.futures.Future] = {}
+    self._pending: dict[int, concurrent.futures.Future] = {}  # per layer: its background job
+    self._unindexed_queries: dict[tuple[int, int], list] = {}  # (seq, layer): stored tokens' queries
     self._used_ids: dict[int, np.ndarray] = {}
     self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-search")
     self.id = register(self)
@@ -125,7 +136,8 @@ class HostRuntime:
   # -- the decode callback -------------------------------------------------------------
 
   def decode_layer(self, layer: int, queries, evicted_k, evicted_v, evicted_q, evicted_pos):
-    """Inserts each sequence's evicted token (if any), then attends over the host store.
+    """Stores each sequence's evicted token (if any), attends over the host store, and leaves
+    the indexing (and, speculative, the next step's search) to the background thread.
 
     Args:
       layer: the layer.
@@ -137,35 +149,76 @@ class HostRuntime:
     Returns:
       o [B, Hq, D] float32, lse [B, Hq] float32.
     """
-    background = None  # speculative: (ids, scanned) searched with the previous step's query
-    if self.speculative:
-      # The background search of this layer reads the index that this step's insert changes
-      # (a full neighbour list is re-pruned in place): wait for it first, so its result is the
-      # same whatever the timing. It had every other layer's callback to finish.
-      pending = self._pending.pop(layer, None)
-      if pending is not None:
-        t_wait = time.perf_counter()
-        background = pending.result()
-        waited = time.perf_counter() - t_wait
-        self.stats.wait_seconds += waited
-        self.stats.attend_seconds += waited  # as before: retrieval time on the critical path
+    background = self._wait_background(layer)  # this layer's host state is ours from here
     t0 = time.perf_counter()
-    rows = np.flatnonzero(evicted_pos >= 0)
-    if rows.size:
-      # Store index: host tokens start after the sinks. One C call inserts into every index
-      # of every sequence of this layer, one thread per index.
-      added = self.context.insert_many(
-          rows, np.full(rows.size, layer), np.asarray(evicted_pos)[rows].astype(np.int64) - self.sinks,
-          evicted_k[rows][:, :, None], evicted_v[rows][:, :, None], queries=evicted_q[rows][:, :, None])
-      self.stats.inserted_tokens += int(added.sum())
+    for b in np.flatnonzero(evicted_pos >= 0):
+      # Store index: host tokens start after the sinks. A repeated call stores nothing.
+      added = self.context.append(int(b), layer, int(evicted_pos[b]) - self.sinks, evicted_k[b][:, None],
+                                  evicted_v[b][:, None])
+      if added:
+        self._unindexed_queries.setdefault((int(b), layer), []).append(evicted_q[b])
+      self.stats.inserted_tokens += added
+    unindexed = self._unindexed_ids(layer, queries.shape[0])  # [B, n]
+    self.stats.unindexed_attended += int(np.sum(unindexed >= 0))
     t1 = time.perf_counter()
     self.stats.insert_seconds += t1 - t0
-    if not self.speculative:
-      o, lse, scanned = self.context.attend(layer, queries, k=self.topk, ef=self.ef, scale=self.scale)
-      self.stats.attend_seconds += time.perf_counter() - t1
+    if self.speculative:
+      o, lse = self._speculative_layer(layer, queries, unindexed, background)
+    else:
+      ids, scanned = self._search(layer, queries)
       self._count_scanned(scanned)
-      return o, lse
-    return self._speculative_layer(layer, queries, evicted_pos, background)
+      o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))
+    self._submit_background(layer, queries.copy() if self.speculative else None)
+    self.stats.attend_seconds += time.perf_counter() - t1
+    return o, lse
+
+  # -- the background thread --------------------------------------------------------------
+
+  def _wait_background(self, layer: int):
+    """Waits for the job the previous step left for this layer; returns its search result
+    (speculative) or None. It had every other layer's callback to finish."""
+    pending = self._pending.pop(layer, None)
+    if pending is None:
+      return None
+    t0 = time.perf_counter()
+    result = pending.result()  # re-raises a failure of the job, reported after the step
+    waited = time.perf_counter() - t0
+    self.stats.wait_seconds += waited
+    self.stats.attend_seconds += waited
+    return result
+
+  def _unindexed_ids(self, layer: int, batch: int):
+    """Store ids [batch, n] (-1 padded) of each sequence's stored but not yet indexed tokens."""
+    spans = [(self.context.indexed(b, layer), self.context.store.length(b, layer)) for b in range(batch)]
+    width = max(total - done for done, total in spans)
+    ids = np.full((batch, width), -1, np.int64)
+    for b, (done, total) in enumerate(spans):
+      ids[b, : total - done] = np.arange(done, total)
+    return ids
+
+  def _submit_background(self, layer: int, search_queries) -> None:
+    """Queues the indexing of this layer's stored tokens and, with `search_queries`
+    [B, Hq, D], the search whose ids the next step reuses."""
+    pairs = sorted(key for key in self._unindexed_queries if key[1] == layer)
+    to_index = [(pair, np.stack(self._unindexed_queries.pop(pair), axis=1)) for pair in pairs]  # [Hq, n, D]
+    if to_index or search_queries is not None:
+      self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, search_queries)
+
+  def _background_job(self, layer: int, to_index, search_queries):
+    t0 = time.perf_counter()
+    by_count: dict[int, list] = {}  # index_stored takes pairs with equally many new tokens
+    for pair, q in to_index:
+      by_count.setdefault(q.shape[1], []).append((pair, q))
+    for group in by_count.values():
+      self.context.index_stored([p[0] for p, _ in group], [p[1] for p, _ in group],
+                                queries=np.stack([q for _, q in group]), threads=self.background_threads)
+    t1 = time.perf_counter()
+    self.stats.index_seconds += t1 - t0
+    if search_queries is None:
+      return None
+    result = self._search(layer, search_queries, threads=self.background_threads)
+    self.stats.background_seconds += time.perf_counter() - t1
+    return result
 
   # -- speculative retrieval (FreeKV's reuse applied to the vector index) ----------------
 
@@ -178,20 +231,12 @@ class HostRuntime:
     ([B, Hq] bool, default all; the others get -1 / 0): one GIL-free C call."""
     return self.context.search(layer, queries, k=self.topk, ef=self.ef, heads=heads, threads=threads)
 
-  def _background_search(self, layer: int, queries):
-    t0 = time.perf_counter()
-    result = self._search(layer, queries, threads=self.background_threads)
-    self.stats.background_seconds += time.perf_counter() - t0
-    return result
-
-  def _speculative_layer(self, layer: int, queries, evicted_pos, background):
+  def _speculative_layer(self, layer: int, queries, unindexed, background):
     """background: the (ids, scanned) of the search launched with the previous step's query,
-    already waited for (decode_layer), or None."""
-    t0 = time.perf_counter()
+    already waited for, or None. `unindexed` [B, n]: store ids no search can return yet."""
     B, Hq, _ = queries.shape
     Hkv = self.context.num_kv_heads
     previous = self._previous_query.get(layer)
-    extra = np.full((B, 1), -1, np.int64)  # the token evicted this step is not in an older search
     if previous is None or background is None:
       ids, scanned = self._search(layer, queries)
       correct = np.ones((B, Hkv), bool)
@@ -206,20 +251,12 @@ class HostRuntime:
         scanned = np.where(heads, fresh_scanned, 0)
       else:
         scanned = np.zeros_like(scanned)
-      has_evicted = evicted_pos >= 0
-      extra[has_evicted, 0] = evicted_pos[has_evicted] - self.sinks
     self.stats.corrected_groups += int(correct.sum())
     self.stats.speculated_groups += int((~correct).sum())
     self._count_scanned(scanned)
-    # Corrected heads searched after this step's insertion: the evicted token may be in their
-    # results already, so it is added only to reused selections.
-    heads_reused = ~np.repeat(correct, Hq // Hkv, axis=1)
-    extra_ids = np.where(heads_reused[..., None], extra[:, None, :], -1)
-    o, lse = self._attend_ids(layer, queries, np.concatenate([ids, extra_ids], axis=-1))
+    o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))
     self._used_ids[layer] = ids
     self._previous_query[layer] = queries.copy()
-    self._pending[layer] = self._executor.submit(self._background_search, layer, queries.copy())
-    self.stats.attend_seconds += time.perf_counter() - t0
     return o, lse
 
   def _score_reuse(self, layer: int, fresh_ids) -> None:
@@ -256,6 +293,17 @@ def reuse_hits(
   at = np.minimum(np.searchsorted(keys, probe), max(keys.size - 1, 0))
   hits = int(np.count_nonzero(keys[at] == probe)) if keys.size else 0
   return hits, int(np.count_nonzero(valid))
+
+
+def _with_unindexed(
+    ids,  # [B, Hq, k] int64 retrieved store ids (-1 = none)
+    unindexed,  # [B, n] int64 store ids not in any index yet (-1 = none)
+):
+  """Every query head's ids followed by its sequence's unindexed ids -> [B, Hq, k + n]."""
+  if unindexed.shape[1] == 0:
+    return ids
+  tail = np.broadcast_to(unindexed[:, None, :], ids.shape[:2] + unindexed.shape[1:])
+  return np.concatenate([ids, tail], axis=-1)
 
 
 def _group_mean_cosine(

@@ -231,6 +231,34 @@ def test_insert_many_catches_up_on_appended_tokens():
     assert ctx.indexed(0, 1) == 110 and ctx.indexed(1, 1) == 105
 
 
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_index_stored_equals_insert_many(kind):
+    """append now + index_stored later (decode's deferred insert) = insert_many at once."""
+    a, b = make(kind), make(kind)
+    pairs = [(0, 1), (1, 1)]
+    k, v, q = new_tokens(len(pairs), 3, seed=6)
+    for i, (s, l) in enumerate(pairs):
+        a.append(s, l, 300, k[i], v[i])
+    assert a.indexed(0, 1) == 300
+    a.index_stored([s for s, _ in pairs], [l for _, l in pairs], queries=q)
+    b.insert_many([s for s, _ in pairs], [l for _, l in pairs], [300, 300], k, v, queries=q)
+    assert all(a.indexed(s, l) == 303 for s, l in pairs)
+    assert state(a) == state(b)
+    a.index_stored([0], [1])  # nothing left to index: a no-op
+    assert state(a) == state(b)
+
+
+def test_index_stored_bad_input():
+    ctx = make("roar", n=50)
+    k, v, q = new_tokens(1, 2, seed=7)
+    ctx.append(0, 1, 50, k[0], v[0])
+    with pytest.raises(ValueError, match="unindexed tokens"):
+        ctx.index_stored([0], [1], queries=q[:, :, :1])
+    with pytest.raises(ValueError, match="distinct"):
+        ctx.index_stored([0, 0], [1, 1])
+    assert ctx.indexed(0, 1) == 50
+
+
 def test_insert_many_bad_input_and_partial_failure():
     ctx = make("graph", n=50)
     k, v, q = new_tokens(2, 1, seed=5)
