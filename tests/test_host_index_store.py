@@ -149,3 +149,16 @@ def test_fetch_pages():
         st.fetch_pages(0, 1, [2], [0])  # head out of range
     with pytest.raises(ValueError):
         st.fetch_pages(0, 1, [0], [0], out_k=np.empty((1, 4, D), np.float32))
+
+
+def test_reserve_keeps_appends_in_place():
+  store = hi.KVStore(1, 1, 2, 8, dtype="float32")
+  store.reserve(0, 0, 100)
+  assert store.capacity(0, 0) >= 100
+  keys, _ = store.buffers(0, 0)[:2]
+  rng = np.random.default_rng(0)
+  for t in range(100):
+    store.append(0, 0, t, rng.normal(size=(2, 1, 8)).astype(np.float32), rng.normal(size=(2, 1, 8)).astype(np.float32))
+  assert store.buffers(0, 0)[0] is keys  # never reallocated
+  with pytest.raises(ValueError, match="tokens"):
+    store.reserve(0, 0, -1)

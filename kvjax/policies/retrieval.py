@@ -213,6 +213,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       if layer in dense_ids:
         continue
       for b, n in enumerate(lengths):
+        # Room for every token the decode can evict, so no step pays a reallocation.
+        context.store.reserve(b, layer, max(0, state.dense.capacity - S - W))
         end = int(n) - W
         if end <= S:
           continue  # the whole prompt fits on the device
