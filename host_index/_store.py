@@ -143,19 +143,6 @@ class KVStore:
         self._k[seq][layer], self._v[seq][layer] = k, v
         self._nbytes += delta
 
-    def reserve(self, seq: int, layer: int, tokens: int) -> None:
-        """Makes room for `tokens` tokens of (seq, layer) now, so appends up to that many
-        never reallocate: decode appends one token per step, and an amortized growth in the
-        middle of a step copies the whole (seq, layer) (134 MB at 32K tokens with 8B shapes).
-
-        Raises:
-            StoreFullError: max_bytes would be crossed.
-        """
-        self._check(seq, layer)
-        tokens = _dtypes.positive_int(tokens, "tokens", allow_zero=True)
-        with self._lock:
-            self._grow(seq, layer, self._round(tokens))
-
     def append(self, seq: int, layer: int, start: int, keys, values, *,
                threads: int | None = None) -> int:
         """Stores keys/values for store indices start .. start + n - 1.

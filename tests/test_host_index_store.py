@@ -160,5 +160,5 @@ def test_reserve_keeps_appends_in_place():
   for t in range(100):
     store.append(0, 0, t, rng.normal(size=(2, 1, 8)).astype(np.float32), rng.normal(size=(2, 1, 8)).astype(np.float32))
   assert store.buffers(0, 0)[0] is keys  # never reallocated
-  with pytest.raises(ValueError, match="tokens"):
+  with pytest.raises(ValueError, match="n="):
     store.reserve(0, 0, -1)
