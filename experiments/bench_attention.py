@@ -223,15 +223,7 @@ def prefill_rows(reps):
     pairs = sum(min(offset + i + 1, seq) for i in range(0, t_len, 1))
     flops = 4 * HEAD_DIM * Q_HEADS * pairs * batch
     fn = jax.jit(lambda q, k, v: ops.prefill_attention(q, k, v, pos, kvl))
-    try:
-      t = _median_time(fn, (q, k, v), reps)
-      rows.append(dict(kind="prefill", impl="xla_blockwise", batch=batch, chunk=t_len,
-                       tokens=seq, us=round(t * 1e6, 1), TFLOPs=round(flops / t / 1e12, 1)))
-    except Exception as e:
-      traceback.print_exc()
-      rows.append(dict(kind="prefill", impl="xla_blockwise", chunk=t_len, tokens=seq,
-                       error=f"{type(e).__name__}: {str(e)[:300]}"))
-    print(rows[-1], flush=True)
+    rows += _prefill_impl_rows(fn, q, k, v, pos, kvl, flops, t_len, seq, reps)
     if offset == 0:
       try:
         with warnings.catch_warnings():
@@ -263,11 +255,28 @@ def prefill_rows(reps):
   pos = (seq - t_len + jnp.arange(t_len, dtype=jnp.int32))[None]
   kvl = jnp.array([seq], jnp.int32)
   fn = jax.jit(lambda q, k, v: ops.prefill_attention(q, k, v, pos, kvl))
-  t = _median_time(fn, (q, k, v), max(3, reps // 4))
   flops = 4 * HEAD_DIM * Q_HEADS * t_len * seq
-  rows.append(dict(kind="prefill", impl="xla_blockwise", batch=1, chunk=t_len, tokens=seq,
-                   us=round(t * 1e6, 1), TFLOPs=round(flops / t / 1e12, 1)))
-  print(rows[-1], flush=True)
+  rows += _prefill_impl_rows(fn, q, k, v, pos, kvl, flops, t_len, seq, max(3, reps // 4))
+  return rows
+
+
+def _prefill_impl_rows(fn_xla, q, k, v, pos, kvl, flops, t_len, seq, reps):
+  """Rows for the XLA blockwise path and the Pallas kernel on the same inputs."""
+  rows, o_ref = [], None
+  fn_pallas = jax.jit(lambda q, k, v: ops.prefill_attention(q, k, v, pos, kvl, implementation="pallas"))
+  for impl, fn in (("xla_blockwise", fn_xla), ("pallas", fn_pallas)):
+    try:
+      t = _median_time(fn, (q, k, v), reps)
+      o = fn(q, k, v)[0]
+      err = None if o_ref is None else float(jnp.max(jnp.abs(o - o_ref)))
+      o_ref = o if o_ref is None else o_ref
+      rows.append(dict(kind="prefill", impl=impl, batch=q.shape[0], chunk=t_len, tokens=seq,
+                       us=round(t * 1e6, 1), TFLOPs=round(flops / t / 1e12, 1), max_abs_err_vs_xla=err))
+    except Exception as e:
+      traceback.print_exc()
+      rows.append(dict(kind="prefill", impl=impl, chunk=t_len, tokens=seq,
+                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+    print(rows[-1], flush=True)
   return rows
 
 

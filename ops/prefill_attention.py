@@ -4,8 +4,9 @@ The XLA path never materializes T x S: each block of queries walks only the key
 blocks its positions can see (dynamic loop bounds from the chunk's positions,
 the window and kv_lengths) with an online softmax, so a chunked prefill of 128K
 tokens runs on the H200 and 8K fits a small CPU. `prefill_attention_reference`
-is the dense masked float32 twin for small sizes. No Pallas prefill kernel:
-see ops/NOTES.md for the measurement against JAX's bundled Pallas `mha`.
+is the dense masked float32 twin for small sizes. `implementation="pallas"` runs the flash
+kernel of ops/prefill_pallas.py instead (same contract; tested in interpret mode, not yet
+timed on the GPU, so "xla" stays the default).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from jax import lax
 
 from ops import _checks
 from ops.partial_attention import _NEG_INF
+from ops.prefill_pallas import DEFAULT_BLOCK_K as DEFAULT_PALLAS_BLOCK_K
+from ops.prefill_pallas import DEFAULT_BLOCK_Q as DEFAULT_PALLAS_BLOCK_Q
+from ops.prefill_pallas import prefill_pallas
 
 DEFAULT_BLOCK_Q = 1024
 DEFAULT_BLOCK_K = 1024
@@ -134,10 +138,11 @@ def _prefill_xla(
 
 
 def _prepare(q, k, v, q_positions, kv_lengths, window, layer, implementation, scale):
-  if implementation != "xla":
-    raise ValueError(f"{implementation=} must be 'xla' (no Pallas prefill kernel: see ops/NOTES.md)")
+  _checks.check_implementation(implementation)
   _, batch, _, seq_len, head_dim = _checks.check_query_and_cache(
       q, k, v, q_layout="[batch, chunk, q_heads, head_dim]", q_head_axis=2, layer=layer)
+  if implementation == "pallas":
+    _checks.check_pow2("head_dim", head_dim, 16, " for implementation='pallas' (use 'xla')")
   q_positions, kv_lengths = jnp.asarray(q_positions), jnp.asarray(kv_lengths)
   _checks.check_int("q_positions", q_positions)
   _checks.check_int("kv_lengths", kv_lengths)
@@ -167,6 +172,7 @@ def prefill_attention(
     layer: jax.Array | int | None = None,
     scale: float | None = None,
     implementation: str = "xla",
+    interpret: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -188,9 +194,11 @@ def prefill_attention(
     layer: int32 scalar (may be traced) for a stacked cache; only the visited
       key blocks of that layer are sliced.
     scale: score scale; default head_dim ** -0.5.
-    implementation: "xla" (blockwise online softmax; the only one).
+    implementation: "xla" (blockwise online softmax in jnp) or "pallas" (the flash kernel of
+      ops/prefill_pallas.py).
+    interpret: run the Pallas kernel in interpret mode (CPU tests).
     block_q: queries per block (each block has its own key range).
-    block_k: keys per inner iteration.
+    block_k: keys per inner iteration (a power of two >= 16 for "pallas").
 
   Returns:
     o: [batch, chunk, q_heads, head_dim] float32 (0 where no key is visible).
@@ -204,6 +212,16 @@ def prefill_attention(
   for name, val in (("block_q", block_q), ("block_k", block_k)):
     if val is not None and val < 1:
       raise ValueError(f"{name}={val} must be >= 1")
+  if implementation == "pallas":
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+      if val is not None:
+        _checks.check_pow2(name, val, 16)
+    if k.ndim == 4:
+      k, v, layer_arr = k[None], v[None], jnp.int32(0)  # a free reshape: L = 1
+    return prefill_pallas(
+        q, k, v, q_positions, kv_lengths, window_arr, jnp.reshape(layer_arr, (1,)), scale=scale,
+        block_q=block_q or DEFAULT_PALLAS_BLOCK_Q, block_k=block_k or DEFAULT_PALLAS_BLOCK_K,
+        has_window=has_window, interpret=interpret)
   return _prefill_xla(
       q, k, v, q_positions, kv_lengths, window_arr, layer_arr, scale=scale,
       block_q=block_q or DEFAULT_BLOCK_Q, block_k=block_k or DEFAULT_BLOCK_K,

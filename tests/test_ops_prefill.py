@@ -1,4 +1,5 @@
-"""ops.prefill_attention (blockwise, dynamic bounds) == dense masked reference."""
+"""ops.prefill_attention (XLA blockwise and the Pallas kernel in interpret mode) == the dense
+masked reference."""
 
 import jax
 import jax.numpy as jnp
@@ -37,12 +38,16 @@ def _make(seed, case):
   return q, k, v, pos, kv_lengths, window
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_matches_reference(case):
+def test_matches_reference(case, implementation):
   dtype, block_q, block_k = case[3], case[-2], case[-1]
   q, k, v, pos, kv_lengths, window = _make(hash(case) % 2**31, case)
+  if implementation == "pallas":  # tiles are powers of two >= 16
+    block_q, block_k = max(16, block_q), max(16, block_k)
   o, lse = ops.prefill_attention(q, k, v, pos, kv_lengths, window=window, block_q=block_q,
-                                 block_k=block_k)
+                                 block_k=block_k, implementation=implementation,
+                                 interpret=implementation == "pallas")
   o_ref, lse_ref = ops.prefill_attention_reference(q, k, v, pos, kv_lengths, window=window)
   assert o.shape == q.shape and lse.shape == q.shape[:3]
   assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
@@ -50,7 +55,8 @@ def test_matches_reference(case):
   np.testing.assert_allclose(lse, lse_ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_chunks_equal_one_pass_and_layer_stacked():
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_chunks_equal_one_pass_and_layer_stacked(implementation):
   """Chunked prefill (two chunks, stacked cache, traced layer) == one dense pass."""
   rng = np.random.default_rng(1)
   layers, batch, hq, hkv, seq, d = 2, 1, 4, 2, 96, 64
@@ -61,7 +67,8 @@ def test_chunks_equal_one_pass_and_layer_stacked():
   full_len = jnp.array([seq], jnp.int32)
   o_ref, lse_ref = ops.prefill_attention_reference(q, k[1], v[1], pos, full_len, window=24)
   fn = jax.jit(lambda qc, pc, n, layer: ops.prefill_attention(
-      qc, k, v, pc, n, layer=layer, window=24, block_q=16, block_k=16))
+      qc, k, v, pc, n, layer=layer, window=24, block_q=16, block_k=16, implementation=implementation,
+      interpret=implementation == "pallas"))
   o1, l1 = fn(q[:, :50], pos[:, :50], jnp.array([50], jnp.int32), jnp.int32(1))
   o2, l2 = fn(q[:, 50:], pos[:, 50:], full_len, jnp.int32(1))
   np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o_ref, atol=2e-5, rtol=2e-5)
@@ -87,13 +94,30 @@ def test_reference_matches_partial_attention_for_one_query():
     (dict(q_heads=3), ValueError, "q_heads=3"),
     (dict(window=-1), ValueError, "window=-1"),
     (dict(pos_dtype=jnp.float32), TypeError, "q_positions.dtype=float32"),
-    (dict(implementation="pallas"), ValueError, "implementation='pallas'"),
+    (dict(implementation="triton"), ValueError, "implementation='triton'"),
+    (dict(implementation="pallas", head_dim=48), ValueError, "head_dim=48"),
 ])
 def test_bad_input_raises_naming_value(bad, err, match):
-  q = jnp.ones((1, 4, bad.get("q_heads", 4), 64), jnp.float32)
-  k = jnp.ones((1, 2, 16, 64), jnp.float32)
+  d = bad.get("head_dim", 64)
+  q = jnp.ones((1, 4, bad.get("q_heads", 4), d), jnp.float32)
+  k = jnp.ones((1, 2, 16, d), jnp.float32)
   pos = jnp.arange(4, dtype=bad.get("pos_dtype", jnp.int32))[None]
   with pytest.raises(err, match=match):
     ops.prefill_attention(q, k, k, pos, jnp.asarray(bad.get("kv_lengths", [4]), jnp.int32),
                           window=bad.get("window"),
                           implementation=bad.get("implementation", "xla"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pallas_on_gpu_matches_reference(case):
+  dtype = case[3]
+  q, k, v, pos, kv_lengths, window = _make(hash(case) % 2**31 + 1, case)
+  fn = jax.jit(lambda q, k, v: ops.prefill_attention(q, k, v, pos, kv_lengths, window=window,
+                                                     implementation="pallas"))
+  assert "kvjax_prefill_attention" in fn.lower(q, k, v).as_text()
+  o, lse = fn(q, k, v)
+  o_ref, lse_ref = ops.prefill_attention_reference(q, k, v, pos, kv_lengths, window=window)
+  np.testing.assert_allclose(o, o_ref, atol=TOL[dtype], rtol=TOL[dtype])
+  np.testing.assert_allclose(lse, lse_ref, atol=TOL[dtype], rtol=TOL[dtype])
