@@ -353,6 +353,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         sync_recalled_pages_per_step=per_step(s.sync_pages),
         recalled_bytes_per_step=per_step(recalled * s.page_bytes),
         callback_bytes_per_step=per_step(s.callback_bytes),
+        resident_bytes=runtime.context.nbytes,  # host store
         **{f"host_{k}": v for k, v in s.as_dict().items()})
 
   def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:

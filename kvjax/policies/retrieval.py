@@ -132,7 +132,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
-    return runtime.stats.as_dict() if runtime is not None else {}
+    if runtime is None:
+      return {}
+    return runtime.stats.as_dict() | {"resident_bytes": runtime.context.nbytes}  # store + indexes
 
   # -- attention -------------------------------------------------------------------------
 
