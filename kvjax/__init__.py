@@ -13,10 +13,23 @@ from kvjax.prompts import PasskeyPrompt, passkey_prompt
 from kvjax.sampling import SamplingConfig
 
 
-def load_model(name_or_path: str = "smollm2", **kwargs):
-  """Loads a model by name or path (see models.registry.load_model)."""
+def load_model(name_or_path: str = "smollm2", *, devices: int | None = None, **kwargs):
+  """Loads a model by name or path (see models.registry.load_model).
+
+  devices: shard the KV heads (and the weights, tensor-parallel) over this many local devices
+    (kvjax.sharding); None or 1 keeps the model on one device. A count that does not divide
+    the model's KV heads is a ValueError naming both numbers.
+  """
   from models.registry import load_model as _load
 
+  if devices is not None and devices > 1:
+    from kvjax.sharding import head_mesh, shard_model
+    from models.tensor_parallel import check_shardable
+
+    model = _load(name_or_path, **kwargs)
+    check_shardable(model.cfg, devices)
+    head_mesh(devices)  # enough devices?
+    return shard_model(model, devices)
   return _load(name_or_path, **kwargs)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from kvjax import engine
 from kvjax.policies import AttentionPolicy, make_policy
 from kvjax.sampling import SamplingConfig
+from kvjax.sharding import ShardedPolicy
 from models.config import ModelConfig
 from models.rope import rope_tables
 
@@ -159,7 +160,9 @@ def prefill(
   """Runs the prompts through the model and prepares the policy's decode state.
 
   Args:
-    model: a `models.registry.LoadedModel` (anything with cfg, params, tokenizer).
+    model: a `models.registry.LoadedModel` (anything with cfg, params, tokenizer); one with a
+      `mesh` (kvjax.sharding.shard_model, `load_model(..., devices=N)`) runs the policy on each
+      device with its share of the KV heads.
     prompts: a string, a list of strings, a list of token ids, or a list of such lists.
       Prompts may differ in length (batch with per-sequence lengths).
     max_new_tokens: generation the context is sized for (dense caches reserve room for it).
@@ -176,6 +179,9 @@ def prefill(
   if prefill_chunk < 1:
     raise ValueError(f"{prefill_chunk=} must be >= 1")
   attention = make_policy(policy, **(policy_options or {}))
+  mesh = getattr(model, "mesh", None)  # kvjax.sharding.shard_model: heads over several devices
+  if mesh is not None and not isinstance(attention, ShardedPolicy):
+    attention = ShardedPolicy(attention, mesh)
   cfg = model.cfg
   encoded = _encode_prompts(model, prompts, chat=chat)
   lengths = [len(ids) for ids in encoded]

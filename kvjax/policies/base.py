@@ -8,6 +8,7 @@ the whole state to `attend` together with the traced layer index (see models.dec
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.decoder import forward_hidden
 
 
 class AttentionPolicy(abc.ABC):
@@ -44,6 +46,22 @@ class AttentionPolicy(abc.ABC):
 
   def describe(self) -> str:
     return self.name
+
+  def forward_hidden(
+      self,
+      params,
+      tokens,  # [batch, seq] int32
+      positions,  # [batch, seq] int32
+      *,
+      cfg: ModelConfig,
+      rope: tuple,
+      state: Any,
+  ):
+    """The decoder pass with this policy's attention: (hidden [batch, seq, hidden], state).
+
+    kvjax.sharding.ShardedPolicy overrides it to run the pass under shard_map."""
+    return forward_hidden(params, tokens, positions, cfg=cfg, rope=rope,
+                          attention_fn=functools.partial(self.attend, cfg), attention_state=state)
 
   # Lifecycle hooks, run outside jit by generate(); the defaults suit device-only policies.
 
