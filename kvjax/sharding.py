@@ -37,6 +37,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -100,6 +101,16 @@ def _leaf_kind(path, leaf):
   if _field(path) in PER_DEVICE_FIELDS and np.ndim(leaf) <= 1:
     return "device"
   return HEAD_AXIS if np.ndim(leaf) >= 3 else None
+
+
+def _local_shape(path, leaf, devices: int) -> tuple:
+  """The shape of one device's slice of a global state leaf."""
+  kind = _leaf_kind(path, leaf)
+  if kind == "device":
+    return (1,)
+  if kind == HEAD_AXIS:
+    return leaf.shape[:HEAD_AXIS] + (leaf.shape[HEAD_AXIS] // devices,) + leaf.shape[HEAD_AXIS + 1:]
+  return leaf.shape
 
 
 def state_specs(state):
@@ -190,21 +201,37 @@ class ShardedPolicy(AttentionPolicy):
     local = self.local_cfg(cfg)
     body_params = {k: v for k, v in params.items() if k != "lm_head"}  # logits are computed outside
     param_specs = partition_specs(body_params, cfg, self.devices)
-    specs = state_specs(state)
+    # Empty leaves (a policy's [0, ...] arrays, e.g. no dense layers) stay outside shard_map: on
+    # the CPU backend of jax 0.11.2 a zero-size sharded operand of shard_map crashes the process.
+    # The body makes their per-device (equally empty) versions itself.
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    empty = [leaf.size == 0 for _, leaf in flat]
+    local_empty = [jax.ShapeDtypeStruct(_local_shape(path, leaf, self.devices), leaf.dtype) if e else None
+                   for (path, leaf), e in zip(flat, empty)]
+    live = [leaf for (_, leaf), e in zip(flat, empty) if not e]
+    specs = jax.tree.leaves(state_specs(state), is_leaf=lambda x: isinstance(x, P))
+    assert len(specs) == len(flat), (len(specs), len(flat))
+    live_specs = [spec for spec, e in zip(specs, empty) if not e]
 
-    def body(params, tokens, positions, rope, state):
-      state = _squeeze_device_fields(state)
+    def body(params, tokens, positions, rope, live):
+      it = iter(live)
+      leaves = [jnp.zeros(le.shape, le.dtype) if le is not None else next(it) for le in local_empty]
+      state = _squeeze_device_fields(jax.tree_util.tree_unflatten(treedef, leaves))
       hidden, state = forward_hidden(
           params, tokens, positions, cfg=local, rope=rope, attention_fn=functools.partial(self.inner.attend, local),
           attention_state=state, partial_sum=lambda y: jax.lax.psum(y, HEADS))
-      return hidden, _expand_device_fields(state)
+      out = jax.tree_util.tree_leaves(_expand_device_fields(state))
+      return hidden, [leaf for leaf, e in zip(out, empty) if not e]
 
     # check_vma=False: the ops' loops start their carries from constants (not "varying" over the
     # mesh) and Pallas calls carry no such types; the one replicated output, hidden, is
     # replicated by construction (the residual stream only ever adds psum results).
-    mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(param_specs, P(), P(), P(), specs),
-                           out_specs=(P(), specs), check_vma=False)
-    return mapped(body_params, tokens, positions, rope, state)
+    mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(param_specs, P(), P(), P(), live_specs),
+                           out_specs=(P(), live_specs), check_vma=False)
+    hidden, live = mapped(body_params, tokens, positions, rope, live)
+    it = iter(live)
+    return hidden, jax.tree_util.tree_unflatten(treedef, [leaf if e else next(it)
+                                                          for (_, leaf), e in zip(flat, empty)])
 
   def attend(self, cfg, layer, q, k, v, positions, state):
     raise TypeError("a ShardedPolicy runs whole decoder passes (forward_hidden), not single layers")
