@@ -17,7 +17,7 @@ import numpy as np
 from kvjax import engine
 from kvjax.policies import AttentionPolicy, make_policy
 from kvjax.sampling import SamplingConfig
-from kvjax.sharding import ShardedPolicy
+from kvjax.sharding import ShardedPolicy, replicated
 from models.config import ModelConfig
 from models.rope import rope_tables
 
@@ -204,6 +204,8 @@ def prefill(
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
     last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
     last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
+    if mesh is not None:  # placed as the chunks return it, so the second chunk does not recompile
+      last_hidden = replicated(last_hidden, mesh)
     for begin in range(0, padded_len, prefill_chunk):
       chunk = jnp.asarray(tokens[:, begin : begin + prefill_chunk])
       positions = jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), chunk.shape)

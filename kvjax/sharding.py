@@ -61,6 +61,11 @@ def head_mesh(devices: int | list) -> Mesh:
   return Mesh(np.asarray(devices), (HEADS,))
 
 
+def replicated(x, mesh: Mesh):
+  """`x` copied to every device of `mesh` (as the sharded programs return replicated values)."""
+  return jax.device_put(x, NamedSharding(mesh, P()))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedModel:
   """A model whose weights are spread over `mesh` (models.tensor_parallel); duck-types LoadedModel."""

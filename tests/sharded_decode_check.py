@@ -54,6 +54,8 @@ CASES = {
     "full_qwen2_fused_unrolled": (dict(family="qwen2", layout="fused_unrolled"), dict(policy="full")),
     "full_gemma3_fused_stacked": (dict(family="gemma3", layout="fused_stacked"), dict(policy="full")),
     "retrieval": (dict(), dict(policy="retrieval", policy_options=dict(index="flat", topk=6, **SMALL))),
+    "retrieval_gemma3_fused": (dict(family="gemma3", layout="fused_stacked"), dict(
+        policy="retrieval", policy_options=dict(index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
     "retrieval_roar_speculative": (dict(), dict(policy="retrieval", policy_options=dict(
         index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
     "freekv": (dict(), dict(policy="freekv", policy_options=dict(
