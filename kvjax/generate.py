@@ -234,6 +234,17 @@ def check_model(model, context: PrefilledContext) -> None:
     raise ValueError(f"context was made by model {theirs} (name, config hash, dtype), not by {ours}")
 
 
+def check_mesh(model, context: PrefilledContext) -> None:
+  """Refuses to decode a context on other devices than it was prefilled on: a sharded model's
+  weights and state only make sense to the sharded program over the same mesh."""
+  ours = getattr(model, "mesh", None)
+  theirs = context.policy.mesh if isinstance(context.policy, ShardedPolicy) else None
+  if ours != theirs:
+    describe = lambda mesh: "one device" if mesh is None else f"{mesh.size} devices {list(mesh.devices.flat)}"
+    raise ValueError(f"the context was prefilled on {describe(theirs)} but the model is on {describe(ours)}: "
+                     "decode it with the model that prefilled it")
+
+
 def decode(
     model,
     context: PrefilledContext,
@@ -259,6 +270,7 @@ def decode(
   if context.spent:
     raise ValueError("this context was decoded already: load it again from disk to decode it anew")
   check_model(model, context)
+  check_mesh(model, context)
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   room = context.capacity - max(context.prompt_lengths)

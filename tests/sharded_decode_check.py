@@ -34,10 +34,10 @@ STEPS = 12
 SMALL = dict(sinks=4, window=8)  # tokens leave the device window during decode
 
 
-def tiny(family="llama", *, num_heads=8, num_kv_heads=4, seed=0, layout="stacked") -> TinyModel:
+def tiny(family="llama", *, num_heads=8, num_kv_heads=4, vocab_size=97, seed=0, layout="stacked") -> TinyModel:
   """tests/test_generate.py's tiny model with 4 KV heads (divisible by 2 and 4)."""
   base = tiny_model(family, seed=seed)
-  cfg = dataclasses.replace(base.cfg, num_heads=num_heads, num_kv_heads=num_kv_heads)
+  cfg = dataclasses.replace(base.cfg, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size)
   paths, treedef = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(jax.random.key(seed), len(paths))
   leaves = [0.15 * jax.random.normal(k, shape) + (1.0 if "norm" in jax.tree_util.keystr(path) else 0.0)
@@ -58,8 +58,11 @@ CASES = {
         policy="retrieval", policy_options=dict(index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
     "retrieval_roar_speculative": (dict(), dict(policy="retrieval", policy_options=dict(
         index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
-    "freekv": (dict(), dict(policy="freekv", policy_options=dict(
+    # vocab 96: the untied lm_head is vocabulary-sharded (logits gathered by XLA outside shard_map)
+    "freekv": (dict(vocab_size=96), dict(policy="freekv", policy_options=dict(
         budget=12, page_size=2, sinks=2, window=4, dense_layers=(), speculative=True, tau=0.5))),
+    "streaming": (dict(), dict(policy="streaming", policy_options=dict(sinks=4, window=8))),
+    "quest": (dict(), dict(policy="quest", policy_options=dict(budget=16, page_size=4, sinks=4, window=4))),
 }
 
 
@@ -72,7 +75,8 @@ def greedy_ambiguous(logits, tol: float) -> np.ndarray:
 def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
   model_kw, gen_kw = CASES[name]
   model = tiny(**model_kw)
-  prompts = [random_prompt(37, seed=1), random_prompt(29, seed=2)]  # a ragged batch of two
+  vocab = model.cfg.vocab_size
+  prompts = [random_prompt(37, seed=1, vocab=vocab), random_prompt(29, seed=2, vocab=vocab)]  # ragged batch
   kw = dict(max_new_tokens=STEPS, prefill_chunk=16, return_logits=True) | gen_kw
   ref = kvjax.generate(model, prompts, **kw)
   rows = []

@@ -103,3 +103,16 @@ def test_split_state_gives_each_device_its_scalar():
     assert local.runtime_id.shape == () and policy.inner.runtime(local) is not None
   finally:
     policy.release_fn(state)()
+
+
+def test_decode_refuses_a_context_from_other_devices():
+  from kvjax.sharding import ShardedModel, head_mesh
+  from models.tensor_parallel import shard_params
+
+  model = tiny_model("llama")
+  mesh = head_mesh(1)  # the sharded program on this process's one device
+  sharded = ShardedModel(cfg=model.cfg, params=shard_params(model.params, model.cfg, mesh), tokenizer=None,
+                         mesh=mesh)
+  context = kvjax.prefill(model, [1, 2, 3], max_new_tokens=2)
+  with pytest.raises(ValueError, match="prefilled on one device but the model is on 1 devices"):
+    kvjax.decode(sharded, context, max_new_tokens=2)
