@@ -22,15 +22,12 @@ def load_model(name_or_path: str = "smollm2", *, devices: int | None = None, **k
   """
   from models.registry import load_model as _load
 
+  model = _load(name_or_path, **kwargs)
   if devices is not None and devices > 1:
-    from kvjax.sharding import head_mesh, shard_model
-    from models.tensor_parallel import check_shardable
+    from kvjax.sharding import shard_model
 
-    model = _load(name_or_path, **kwargs)
-    check_shardable(model.cfg, devices)
-    head_mesh(devices)  # enough devices?
     return shard_model(model, devices)
-  return _load(name_or_path, **kwargs)
+  return model
 
 
 __all__ = [

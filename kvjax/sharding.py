@@ -24,10 +24,14 @@ heads, and the device/host LSE merge is per head. The only collectives are two a
 (`lax.psum`) of [batch, seq, hidden] per layer, after `wo` and after `w_down`; the logits,
 computed outside the shard_map, gather the vocabulary-sharded `lm_head` output when there is one.
 
-Lifecycle hooks run outside jit (`begin_prefill`, `finish_prefill`, `check`, `stats`, release) run
-on each device's slice of the state in turn (`split_state` / `join_state`), with the per-device
-config. Not supported: saving a sharded context (kvjax.context_cache), host hooks run in
-parallel across devices.
+The policy hooks that run outside jit (`begin_prefill`, `finish_prefill`, `check`, `stats`,
+release) run on each device's slice of the state in turn (`split_state` / `join_state`) with the
+per-device config; `stats` sums integer counters over devices and averages the rest (rates,
+seconds), with the per-device dicts under "devices".
+
+Not done: saving or loading a sharded context (kvjax.context_cache refuses; decode refuses a
+context prefilled on other devices); running the per-device hooks (index builds) in parallel;
+a vocabulary-sharded embedding lookup; meshes across hosts.
 """
 
 from __future__ import annotations

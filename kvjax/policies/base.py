@@ -3,6 +3,12 @@
 A policy is a frozen (hashable) dataclass, so it is a static argument of the jitted prefill
 and decode functions. Its state is a registered pytree holding all layers; the decoder hands
 the whole state to `attend` together with the traced layer index (see models.decoder).
+
+State convention, which kvjax.sharding relies on to split a state over devices by KV head:
+every array of rank >= 3 is [layers, batch, heads, ...] (KV or query heads; query heads come in
+GQA groups, so a device's KV heads and its query heads are the same fraction); smaller arrays
+are per-sequence or per-layer and identical on every device, except the host-backed policies'
+`runtime_id` and `status`, which name and report each device's own host runtime.
 """
 
 from __future__ import annotations
