@@ -13,11 +13,21 @@ from kvjax.prompts import PasskeyPrompt, passkey_prompt
 from kvjax.sampling import SamplingConfig
 
 
-def load_model(name_or_path: str = "smollm2", **kwargs):
-  """Loads a model by name or path (see models.registry.load_model)."""
+def load_model(name_or_path: str = "smollm2", *, devices: int | None = None, **kwargs):
+  """Loads a model by name or path (see models.registry.load_model).
+
+  devices: shard the KV heads (and the weights, tensor-parallel) over this many local devices
+    (kvjax.sharding); None or 1 keeps the model on one device. A count that does not divide
+    the model's KV heads is a ValueError naming both numbers.
+  """
   from models.registry import load_model as _load
 
-  return _load(name_or_path, **kwargs)
+  model = _load(name_or_path, **kwargs)
+  if devices is not None and devices > 1:
+    from kvjax.sharding import shard_model
+
+    return shard_model(model, devices)
+  return model
 
 
 __all__ = [

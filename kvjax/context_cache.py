@@ -83,6 +83,8 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
 
   if context.spent or context.state is None:
     raise ValueError("this context was decoded already; save it before decoding")
+  if getattr(context.policy, "mesh", None) is not None:
+    raise ValueError("saving a context sharded over several devices is not supported (kvjax.sharding)")
   path = pathlib.Path(path)
   if path.exists() and not overwrite:
     raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")

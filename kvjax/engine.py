@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvjax.policies.base import AttentionPolicy
 from kvjax.sampling import SamplingConfig, sample
 from models.config import ModelConfig
-from models.decoder import forward_hidden, logits_from_hidden
+from models.decoder import logits_from_hidden
 
 
 _NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
@@ -55,9 +55,7 @@ def prefill_chunk(
     policy: AttentionPolicy,
 ):
   """Runs one prompt chunk through every layer, writing its keys and values into `state`."""
-  attention_fn = functools.partial(policy.attend, cfg)
-  hidden, state = forward_hidden(
-      params, tokens, positions, cfg=cfg, rope=rope, attention_fn=attention_fn, attention_state=state)
+  hidden, state = policy.forward_hidden(params, tokens, positions, cfg=cfg, rope=rope, state=state)
   offset = last_index - positions[:, 0]
   in_chunk = (offset >= 0) & (offset < tokens.shape[1])
   picked = hidden[jnp.arange(tokens.shape[0]), jnp.clip(offset, 0, tokens.shape[1] - 1)]
@@ -88,10 +86,8 @@ def decode_step(
     sampling: SamplingConfig,
 ):
   """Feeds one token per sequence; returns (next tokens [batch], logits [batch, vocab], state)."""
-  attention_fn = functools.partial(policy.attend, cfg)
-  hidden, state = forward_hidden(
-      params, tokens[:, None], positions[:, None], cfg=cfg, rope=rope, attention_fn=attention_fn,
-      attention_state=state)
+  hidden, state = policy.forward_hidden(params, tokens[:, None], positions[:, None], cfg=cfg, rope=rope,
+                                       state=state)
   logits = logits_from_hidden(params, cfg, hidden[:, 0])
   return sample(logits, key, sampling), logits, state
 

@@ -17,6 +17,7 @@ import numpy as np
 from kvjax import engine
 from kvjax.policies import AttentionPolicy, make_policy
 from kvjax.sampling import SamplingConfig
+from kvjax.sharding import ShardedPolicy, replicated
 from models.config import ModelConfig
 from models.rope import rope_tables
 
@@ -159,7 +160,9 @@ def prefill(
   """Runs the prompts through the model and prepares the policy's decode state.
 
   Args:
-    model: a `models.registry.LoadedModel` (anything with cfg, params, tokenizer).
+    model: a `models.registry.LoadedModel` (anything with cfg, params, tokenizer); one with a
+      `mesh` (kvjax.sharding.shard_model, `load_model(..., devices=N)`) runs the policy on each
+      device with its share of the KV heads.
     prompts: a string, a list of strings, a list of token ids, or a list of such lists.
       Prompts may differ in length (batch with per-sequence lengths).
     max_new_tokens: generation the context is sized for (dense caches reserve room for it).
@@ -176,6 +179,9 @@ def prefill(
   if prefill_chunk < 1:
     raise ValueError(f"{prefill_chunk=} must be >= 1")
   attention = make_policy(policy, **(policy_options or {}))
+  mesh = getattr(model, "mesh", None)  # kvjax.sharding.shard_model: heads over several devices
+  if mesh is not None and not isinstance(attention, ShardedPolicy):
+    attention = ShardedPolicy(attention, mesh)
   cfg = model.cfg
   encoded = _encode_prompts(model, prompts, chat=chat)
   lengths = [len(ids) for ids in encoded]
@@ -198,6 +204,8 @@ def prefill(
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
     last_index = jnp.asarray(np.asarray(lengths, np.int32) - 1)
     last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
+    if mesh is not None:  # placed as the chunks return it, so the second chunk does not recompile
+      last_hidden = replicated(last_hidden, mesh)
     for begin in range(0, padded_len, prefill_chunk):
       chunk = jnp.asarray(tokens[:, begin : begin + prefill_chunk])
       positions = jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), chunk.shape)
@@ -226,6 +234,17 @@ def check_model(model, context: PrefilledContext) -> None:
     raise ValueError(f"context was made by model {theirs} (name, config hash, dtype), not by {ours}")
 
 
+def check_mesh(model, context: PrefilledContext) -> None:
+  """Refuses to decode a context on other devices than it was prefilled on: a sharded model's
+  weights and state only make sense to the sharded program over the same mesh."""
+  ours = getattr(model, "mesh", None)
+  theirs = context.policy.mesh if isinstance(context.policy, ShardedPolicy) else None
+  if ours != theirs:
+    describe = lambda mesh: "one device" if mesh is None else f"{mesh.size} devices {list(mesh.devices.flat)}"
+    raise ValueError(f"the context was prefilled on {describe(theirs)} but the model is on {describe(ours)}: "
+                     "decode it with the model that prefilled it")
+
+
 def decode(
     model,
     context: PrefilledContext,
@@ -251,6 +270,7 @@ def decode(
   if context.spent:
     raise ValueError("this context was decoded already: load it again from disk to decode it anew")
   check_model(model, context)
+  check_mesh(model, context)
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   room = context.capacity - max(context.prompt_lengths)

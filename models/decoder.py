@@ -28,6 +28,12 @@ layer's weights to the matmuls as a slice it first copies out of the stacked buf
 doubles the weight traffic of a memory-bound decode step; `unstack_layers` turns the weights
 into a list of per-layer dicts, and the decoder then unrolls the layers in Python (static
 layer ids, weights read in place) at the cost of a longer compile.
+
+Tensor parallelism: `partial_sum` (default: none) is applied to the output of `wo` and of
+`w_down` before anything else touches them (Gemma's sandwich norms included). Run under
+`jax.shard_map` with head-sharded weights (models.tensor_parallel) and a per-device config,
+it is `lax.psum` over the mesh axis: each device's rows of `wo` / `w_down` give a partial
+sum of the full projection.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ def _project(x, w, b=None):
   return y
 
 
-def _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attention_fn, state):
+def _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attention_fn, state, partial_sum):
   B, T, _ = x.shape
   h = rms_norm(x, lp["input_norm"], cfg.norm_eps)
   if "wqkv" in lp:
@@ -88,20 +94,20 @@ def _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attent
   q = apply_rope(q, positions, inv_freq, rope_factor)
   k = apply_rope(k, positions, inv_freq, rope_factor)
   out, state = attention_fn(layer, q, k, v, positions, state)
-  out = _project(out.astype(x.dtype).reshape(B, T, cfg.num_heads * cfg.head_dim), lp["wo"])
+  out = partial_sum(_project(out.astype(x.dtype).reshape(B, T, cfg.num_heads * cfg.head_dim), lp["wo"]))
   if cfg.sandwich_norms:
     out = rms_norm(out, lp["post_attn_norm"], cfg.norm_eps)
   return out, state
 
 
-def _mlp_block(cfg, lp, x):
+def _mlp_block(cfg, lp, x, partial_sum):
   h = rms_norm(x, lp["pre_mlp_norm"], cfg.norm_eps)
   if "w_gate_up" in lp:
     gate, up = jnp.split(_project(h, lp["w_gate_up"]), 2, axis=-1)  # [B, T, I] each
   else:
     gate, up = _project(h, lp["w_gate"]), _project(h, lp["w_up"])
   gated = _activation(cfg, gate) * up
-  out = _project(gated, lp["w_down"])
+  out = partial_sum(_project(gated, lp["w_down"]))
   if cfg.sandwich_norms:
     out = rms_norm(out, lp["post_mlp_norm"], cfg.norm_eps)
   return out
@@ -124,17 +130,23 @@ def forward_hidden(
     rope: tuple,  # (inv_freq [L, head_dim // 2], factors [L]) from models.rope.rope_tables
     attention_fn: AttentionFn,
     attention_state: Any,
+    partial_sum: Callable[[jax.Array], jax.Array] | None = None,
 ):
-  """Runs all layers; returns final-normed hidden states [batch, seq, hidden] and the state."""
+  """Runs all layers; returns final-normed hidden states [batch, seq, hidden] and the state.
+
+  `partial_sum` reduces the partial outputs of head-sharded `wo` and `w_down` (see the module
+  docstring); None for an unsharded model."""
+  partial_sum = partial_sum or (lambda y: y)
   inv_freqs, factors = (jnp.asarray(t) for t in rope)
   x = embed(params, cfg, tokens)
 
   def layer_step(carry, xs):
     x, state = carry
     lp, layer, inv_freq, factor = xs
-    attn, state = _attention_block(cfg, lp, x, positions, inv_freq, factor, layer, attention_fn, state)
+    attn, state = _attention_block(cfg, lp, x, positions, inv_freq, factor, layer, attention_fn, state,
+                                   partial_sum)
     x = x + attn
-    x = x + _mlp_block(cfg, lp, x)
+    x = x + _mlp_block(cfg, lp, x, partial_sum)
     return (x, state), None
 
   if isinstance(params["layers"], (list, tuple)):  # unstacked: unrolled, weights read in place

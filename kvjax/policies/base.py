@@ -3,11 +3,18 @@
 A policy is a frozen (hashable) dataclass, so it is a static argument of the jitted prefill
 and decode functions. Its state is a registered pytree holding all layers; the decoder hands
 the whole state to `attend` together with the traced layer index (see models.decoder).
+
+State convention, which kvjax.sharding relies on to split a state over devices by KV head:
+every array of rank >= 3 is [layers, batch, heads, ...] (KV or query heads; query heads come in
+GQA groups, so a device's KV heads and its query heads are the same fraction); smaller arrays
+are per-sequence or per-layer and identical on every device, except the host-backed policies'
+`runtime_id` and `status`, which name and report each device's own host runtime.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
 import jax
@@ -15,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.decoder import forward_hidden
 
 
 class AttentionPolicy(abc.ABC):
@@ -44,6 +52,22 @@ class AttentionPolicy(abc.ABC):
 
   def describe(self) -> str:
     return self.name
+
+  def forward_hidden(
+      self,
+      params,
+      tokens,  # [batch, seq] int32
+      positions,  # [batch, seq] int32
+      *,
+      cfg: ModelConfig,
+      rope: tuple,
+      state: Any,
+  ):
+    """The decoder pass with this policy's attention: (hidden [batch, seq, hidden], state).
+
+    kvjax.sharding.ShardedPolicy overrides it to run the pass under shard_map."""
+    return forward_hidden(params, tokens, positions, cfg=cfg, rope=rope,
+                          attention_fn=functools.partial(self.attend, cfg), attention_state=state)
 
   # Lifecycle hooks, run outside jit by generate(); the defaults suit device-only policies.
 

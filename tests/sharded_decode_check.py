@@ -1,0 +1,116 @@
+"""Sharded decode against unsharded decode, run as a script in its own process.
+
+JAX fixes the CPU device count when it first starts, and the test suite runs on one device, so
+tests/test_sharding.py runs this file with XLA_FLAGS=--xla_force_host_platform_device_count=4.
+Each case decodes one tiny random model unsharded and over 2 and 4 devices and prints one JSON
+line per comparison:
+
+    {"case": ..., "devices": N, "max_abs": float, "tokens_equal": bool, "ambiguous_steps": int, ...}
+
+Usage: python tests/sharded_decode_check.py [case[:devices,...] ...]   (default: every case on 2 and 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kvjax  # noqa: E402
+from kvjax import host_runtime  # noqa: E402
+from kvjax.sharding import shard_model  # noqa: E402
+from models.config import param_shapes  # noqa: E402
+from models.decoder import decode_layout  # noqa: E402
+from test_generate import TinyModel, random_prompt, tiny_model  # noqa: E402
+
+STEPS = 12
+SMALL = dict(sinks=4, window=8)  # tokens leave the device window during decode
+
+
+def tiny(family="llama", *, num_heads=8, num_kv_heads=4, vocab_size=97, seed=0, layout="stacked") -> TinyModel:
+  """tests/test_generate.py's tiny model with 4 KV heads (divisible by 2 and 4)."""
+  base = tiny_model(family, seed=seed)
+  cfg = dataclasses.replace(base.cfg, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size)
+  paths, treedef = jax.tree.flatten_with_path(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(jax.random.key(seed), len(paths))
+  leaves = [0.15 * jax.random.normal(k, shape) + (1.0 if "norm" in jax.tree_util.keystr(path) else 0.0)
+            for k, (path, shape) in zip(keys, paths)]
+  params = jax.tree.unflatten(treedef, leaves)
+  if layout != "stacked":
+    params = decode_layout(params, unroll=layout == "fused_unrolled")
+  return TinyModel(cfg, params)
+
+
+# name -> (model kwargs, generate kwargs)
+CASES = {
+    "full": (dict(), dict(policy="full")),
+    "full_qwen2_fused_unrolled": (dict(family="qwen2", layout="fused_unrolled"), dict(policy="full")),
+    "full_gemma3_fused_stacked": (dict(family="gemma3", layout="fused_stacked"), dict(policy="full")),
+    "retrieval": (dict(), dict(policy="retrieval", policy_options=dict(index="flat", topk=6, **SMALL))),
+    "retrieval_gemma3_fused": (dict(family="gemma3", layout="fused_stacked"), dict(
+        policy="retrieval", policy_options=dict(index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
+    "retrieval_roar_speculative": (dict(), dict(policy="retrieval", policy_options=dict(
+        index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
+    # vocab 96: the untied lm_head is vocabulary-sharded (logits gathered by XLA outside shard_map)
+    "freekv": (dict(vocab_size=96), dict(policy="freekv", policy_options=dict(
+        budget=12, page_size=2, sinks=2, window=4, dense_layers=(), speculative=True, tau=0.5))),
+    "streaming": (dict(), dict(policy="streaming", policy_options=dict(sinks=4, window=8))),
+    "quest": (dict(), dict(policy="quest", policy_options=dict(budget=16, page_size=4, sinks=4, window=4))),
+}
+
+
+def greedy_ambiguous(logits, tol: float) -> np.ndarray:
+  """[steps, batch] bool: the top-2 margin is within `tol` (greedy may differ there)."""
+  top2 = np.sort(logits, axis=-1)[..., -2:]
+  return (top2[..., 1] - top2[..., 0]) <= tol
+
+
+def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
+  model_kw, gen_kw = CASES[name]
+  model = tiny(**model_kw)
+  vocab = model.cfg.vocab_size
+  prompts = [random_prompt(37, seed=1, vocab=vocab), random_prompt(29, seed=2, vocab=vocab)]  # ragged batch
+  kw = dict(max_new_tokens=STEPS, prefill_chunk=16, return_logits=True) | gen_kw
+  ref = kvjax.generate(model, prompts, **kw)
+  rows = []
+  for n in device_counts:
+    t0 = time.perf_counter()
+    sharded_model = shard_model(model, n)
+    out = kvjax.generate(sharded_model, prompts, **kw)
+    seconds = time.perf_counter() - t0
+    diff = np.abs(out.logits - ref.logits)
+    ambiguous = greedy_ambiguous(ref.logits, tol)
+    # Greedy tokens must agree wherever no earlier step was ambiguous.
+    tokens_equal = True
+    for b in range(len(prompts)):
+      first_ambiguous = int(np.argmax(ambiguous[:, b])) if ambiguous[:, b].any() else STEPS
+      k = min(first_ambiguous, len(ref.tokens[b]))
+      tokens_equal &= out.tokens[b][:k] == ref.tokens[b][:k]
+    stats = out.policy_stats
+    rows.append(dict(case=name, devices=n, max_abs=float(diff.max()), tokens_equal=bool(tokens_equal),
+                     ambiguous_steps=int(ambiguous.sum()), seconds=round(seconds, 2),
+                     callbacks=stats.get("callbacks", stats.get("host_callbacks")),
+                     ref_callbacks=ref.policy_stats.get("callbacks", ref.policy_stats.get("host_callbacks")),
+                     runtimes_left=len(host_runtime._RUNTIMES), policy=out.policy))
+    print(json.dumps(rows[-1]), flush=True)
+  return rows
+
+
+def main(argv):
+  """Arguments: case names, each optionally with its device counts ("freekv:2,4"; default 2 and 4)."""
+  if len(jax.devices()) < 4:
+    raise SystemExit(f"needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4), has {jax.devices()}")
+  for arg in argv[1:] or list(CASES):
+    name, _, counts = arg.partition(":")
+    run_case(name, tuple(int(c) for c in counts.split(",")) if counts else (2, 4))
+
+
+if __name__ == "__main__":
+  main(sys.argv)
