@@ -43,7 +43,7 @@ DEFAULT_PARAMS = {
     "ivf": {"nlist": 0, "niter": 10},
     "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0, "ef_insert": 0},
     "roar": {"n_q": 100, "M": 35, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
-             "ef_insert": 0},
+             "ef_insert": 0, "n_cooc": 0},
 }
 
 
@@ -67,11 +67,13 @@ def resolve_params(kind: str, params: dict) -> dict:
     for name in ("M", "ef_construction", "L", "n_q", "n_pivots"):
         if name in out:
             _dtypes.positive_int(out[name], name)
-    for name in ("nlist", "niter", "ef_insert"):
+    for name in ("nlist", "niter", "ef_insert", "n_cooc"):
         if name in out:
             _dtypes.positive_int(out[name], name, allow_zero=True)
     if "M" in out and out["M"] > 256:
         raise ValueError(f"M={out['M']} must be <= 256")
+    if "n_cooc" in out and out["n_cooc"] > 256:
+        raise ValueError(f"n_cooc={out['n_cooc']} must be <= 256")
     if "alpha" in out and not (isinstance(out["alpha"], (int, float)) and out["alpha"] >= 1.0):
         raise ValueError(f"alpha={out['alpha']!r} must be a number >= 1")
     return out

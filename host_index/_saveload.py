@@ -85,9 +85,12 @@ def load_context(cls, path, expect_meta, max_bytes):
         head = _check_head(rd, CONTEXT_FORMAT, expect_meta)
         try:
             st, cx = head["store"], head["context"]
+            params = dict(cx["index_params"])
+            if cx["kind"] == "roar":
+                params.setdefault("n_cooc", 0)  # files written before roar had co-occurrence links
             ctx = cls(st["num_seqs"], st["num_layers"], cx["num_q_heads"], st["num_kv_heads"],
                       st["head_dim"], dtype=st["dtype"], kind=cx["kind"],
-                      index_params=cx["index_params"], max_bytes=max_bytes,
+                      index_params=params, max_bytes=max_bytes,
                       page_size=st["page_size"], seed=cx["seed"])
             _check_lengths(st["lengths"], ctx.num_seqs, ctx.num_layers)
             idx = head["indexes"]

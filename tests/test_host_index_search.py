@@ -227,3 +227,72 @@ class TestBadInput:
             hi.build_index(self.keys, kind="graph", train_queries=self.q)
         with pytest.raises(ValueError):
             hi.build_index(self.keys, kind="roar")  # no training data
+
+
+def _adjacency(ix):
+    e = ix._c.export()
+    n, r = e["n"], e["R"]
+    adj = np.frombuffer(e["adj"], np.int32).reshape(n, r)
+    deg = np.frombuffer(e["deg"], np.int32)
+    return [adj[i, :deg[i]] for i in range(n)]
+
+
+def cooc_reference(topk, n, base, want):
+    """NumPy twin of roar's co-occurrence pass: per key, the `want` keys (not already linked) that share the
+    most training top lists with it, ties by smaller id."""
+    out = []
+    for u in range(n):
+        rows = topk[(topk == u).any(1)]
+        c = np.bincount(rows[rows >= 0].ravel(), minlength=n).astype(np.int64)
+        c[u] = 0
+        c[base[u]] = 0
+        order = np.lexsort((np.arange(n), -c))
+        out.append(order[:want][c[order[:want]] > 0])
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_roar_cooc_links_match_numpy(data, threads):
+    keys, _, tq = data
+    n = 800
+    topk = exact_topk(tq, keys[:n], 20)
+    topk[::7, -3:] = -1  # padding is ignored
+    base = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1)
+    ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=threads, n_cooc=6)
+    ref = cooc_reference(topk, n, _adjacency(base), 6)
+    got = _adjacency(ix)
+    stats = ix.stats()
+    if threads == 1:  # the projection / connectivity part is deterministic with one thread
+        for u in range(n):
+            b = _adjacency(base)[u]
+            np.testing.assert_array_equal(got[u][:len(b)], b)
+            np.testing.assert_array_equal(got[u][len(b):], ref[u])
+        assert stats["cooc_edges"] == sum(len(r) for r in ref)
+    assert all(len(g) <= 35 + 6 and len(set(g.tolist())) == len(g) for g in got)
+    assert stats["cooc_edges"] > 0
+
+
+def test_roar_cooc_recall_and_honest_scan(data):
+    keys, q, tq = data
+    truth = exact_topk(q, keys, K)
+    ix = hi.build_index(keys, kind="roar", train_queries=tq, n_cooc=16, threads=2)
+    ids, scores, scanned = ix.search(q, K, ef=64)
+    assert recall(ids, truth) >= 0.95
+    assert (scanned <= N).all() and (scanned >= K).all()
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ keys.T, ids, 1), rtol=1e-5, atol=1e-4)
+    # Inserts after a build keep working with the wider adjacency.
+    more, _ = keys_queries(200, D, 1, seed=11)
+    ix.insert(more, queries=q[np.arange(200) % Q])
+    all_keys = np.concatenate([keys, more])
+    probe = more[:100] * 3.0
+    assert np.mean(ix.search(probe, 1, ef=128)[0][:, 0] == exact_topk(probe, all_keys, 1)[:, 0]) >= 0.95
+
+
+def test_roar_cooc_param_checks(data):
+    keys, _, tq = data
+    with pytest.raises(ValueError):
+        hi.build_index(keys[:100], kind="roar", train_queries=tq[:10], n_cooc=-1)
+    with pytest.raises(ValueError):
+        hi.build_index(keys[:100], kind="roar", train_queries=tq[:10], n_cooc=257)
+    with pytest.raises(TypeError):
+        hi.build_index(keys[:100], kind="graph", n_cooc=4)

@@ -27,6 +27,7 @@ typedef struct {
   spin_t *locks;         /* NULL: a single writer (insert under the write lock) */
   int metric;
   float alpha;
+  int cap; /* out-degree limit of add_link / repair: M while building roar, else R */
   _Atomic int64_t ndist;
 } gctx_t;
 
@@ -192,7 +193,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
   int present = 0;
   for (int j = 0; j < d && !present; j++) present = a[j] == x;
   if (!present && u != x) {
-    if (d < ix->R) {
+    if (d < g->cap) {
       a[d] = x;
       ix->deg[u] = d + 1;
     } else {
@@ -204,7 +205,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
       for (int j = 0; j <= d; j++) pairs[j] = (hi_pair){dd[j], ids[j]};
       qsort(pairs, (size_t)d + 1, sizeof(hi_pair), cmp_pair);
       atomic_fetch_add_explicit(&g->ndist, d + 1, memory_order_relaxed);
-      ix->deg[u] = select_nbrs(g, pairs, d + 1, a, 0, ix->R, ws);
+      ix->deg[u] = select_nbrs(g, pairs, d + 1, a, 0, g->cap, ws);
     }
   }
   if (g->locks) spin_unlock(&g->locks[u]);
@@ -359,9 +360,9 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     hi_maxheap_sort(ws->top, nt);
     int32_t v = -1;
     for (int64_t i = 0; i < nt && v < 0; i++)
-      if (reach[ws->top[i].id] && ix->deg[ws->top[i].id] < ix->R) v = ws->top[i].id;
+      if (reach[ws->top[i].id] && ix->deg[ws->top[i].id] < g->cap) v = ws->top[i].id;
     if (v < 0) v = nt > 0 ? ws->top[0].id : ix->entry;
-    if (ix->deg[v] < ix->R) {
+    if (ix->deg[v] < g->cap) {
       ix->adj[(size_t)v * ix->R + ix->deg[v]++] = (int32_t)u;
     } else {
       int32_t *a = ix->adj + (size_t)v * ix->R;
@@ -399,7 +400,7 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
     return HI_ENOMEM;
   }
   gctx_t g = {.ix = ix, .keys = &k32, .locks = locks, .metric = ix->p.metric,
-              .alpha = ix->p.alpha};
+              .alpha = ix->p.alpha, .cap = ix->R};
   ix->entry = nearest_to_mean(&k32, n, threads);
 #pragma omp parallel num_threads(hi_threads(threads))
   {
@@ -435,6 +436,105 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
 
 /* --- roar (attention-aware, RoarGraph-style) -------------------------------- */
 
+/* Larger count first, then smaller id: a total order, so the pass is
+ * deterministic for any thread count. */
+static inline int cooc_better(int32_t ca, int32_t ia, int32_t cb, int32_t ib) {
+  return ca > cb || (ca == cb && ia < ib);
+}
+
+/* Co-occurrence links: for every key u, count how many training queries have
+ * both u and v among their top-nq keys, and append to u's list (after its
+ * projection / connectivity neighbours, up to R = M + n_cooc) the n_cooc keys
+ * v with the largest counts that u does not already link. Such v are what a
+ * query that ranks u high tends to rank high too, so a search that reaches
+ * one finds the others in one hop. Each key writes only its own list. */
+static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq,
+                     int threads) {
+  int64_t *off = calloc((size_t)n + 1, sizeof(int64_t));
+  int32_t *occ = malloc((size_t)(m * nq > 0 ? m * nq : 1) * sizeof(int32_t));
+  int err = HI_OK;
+  if (!off || !occ) {
+    free(off);
+    free(occ);
+    return HI_ENOMEM;
+  }
+  /* CSR: for each key, the training queries whose top-nq lists hold it. */
+  for (int64_t i = 0; i < m * nq; i++)
+    if (tk[i] >= 0) off[tk[i] + 1]++;
+  for (int64_t u = 0; u < n; u++) off[u + 1] += off[u];
+  {
+    int64_t *fill = calloc((size_t)n, sizeof(int64_t));
+    if (!fill) {
+      free(off);
+      free(occ);
+      return HI_ENOMEM;
+    }
+    for (int64_t i = 0; i < m; i++)
+      for (int j = 0; j < nq; j++) {
+        const int32_t v = tk[i * nq + j];
+        if (v >= 0) occ[off[v] + fill[v]++] = (int32_t)i;
+      }
+    free(fill);
+  }
+  const int want = ix->p.n_cooc;
+  int64_t added = 0;
+#pragma omp parallel num_threads(hi_threads(threads)) reduction(+ : added)
+  {
+    int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
+    int32_t *touched = malloc((size_t)n * sizeof(int32_t));
+    int lerr = cnt && touched ? HI_OK : HI_ENOMEM;
+#pragma omp for schedule(dynamic, 64)
+    for (int64_t u = 0; u < n; u++) {
+      if (lerr || off[u + 1] == off[u]) continue;
+      int64_t nt = 0;
+      for (int64_t b = off[u]; b < off[u + 1]; b++) {
+        const int32_t *row = tk + (int64_t)occ[b] * nq;
+        for (int j = 0; j < nq; j++) {
+          const int32_t v = row[j];
+          if (v < 0 || v == u) continue;
+          if (cnt[v]++ == 0) touched[nt++] = v;
+        }
+      }
+      int32_t *a = ix->adj + (size_t)u * ix->R;
+      const int d0 = ix->deg[u];
+      for (int j = 0; j < d0; j++) cnt[a[j]] = -1; /* already linked: skip */
+      /* Bounded selection of the `want` best by (count, id): insertion into a
+       * sorted array of at most `want` entries. */
+      int32_t bid[256], bc[256];
+      int nb = 0;
+      for (int64_t t = 0; t < nt; t++) {
+        const int32_t v = touched[t], c = cnt[v];
+        if (c <= 0) continue;
+        if (nb == want && !cooc_better(c, v, bc[nb - 1], bid[nb - 1])) continue;
+        int pos = nb < want ? nb++ : want - 1;
+        while (pos > 0 && cooc_better(c, v, bc[pos - 1], bid[pos - 1])) {
+          bc[pos] = bc[pos - 1];
+          bid[pos] = bid[pos - 1];
+          pos--;
+        }
+        bc[pos] = c;
+        bid[pos] = v;
+      }
+      for (int64_t t = 0; t < nt; t++) cnt[touched[t]] = 0;
+      for (int j = 0; j < d0; j++) cnt[a[j]] = 0;
+      int d = d0;
+      for (int j = 0; j < nb && d < ix->R; j++) a[d++] = bid[j];
+      ix->deg[u] = d;
+      added += d - d0;
+    }
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    free(cnt);
+    free(touched);
+  }
+  ix->stats.cooc_edges = added;
+  free(off);
+  free(occ);
+  return err;
+}
+
 int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
                   int64_t m, const int64_t *topk, int nq, int threads) {
   ix->n = n;
@@ -447,8 +547,8 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
   spin_t *locks = NULL;
   int err = keys_f32(keys, n, threads, &buf, &k32);
   if (err) return err;
-  gctx_t g = {.ix = ix, .keys = &k32, .metric = ix->p.metric, .alpha = ix->p.alpha};
   const int M = ix->p.M;
+  gctx_t g = {.ix = ix, .keys = &k32, .metric = ix->p.metric, .alpha = ix->p.alpha, .cap = M};
 
   /* 1. Training neighbours: the caller's (device-computed) or exact here. */
   double t0 = hi_now();
@@ -613,7 +713,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       for (int j = npre; j < ns; j++) {
         int present = 0;
         for (int t = 0; t < ix->deg[x] && !present; t++) present = a[t] == sel[j];
-        if (!present && ix->deg[x] < ix->R) a[ix->deg[x]++] = sel[j];
+        if (!present && ix->deg[x] < M) a[ix->deg[x]++] = sel[j];
       }
       spin_unlock(&locks[x]);
       for (int j = npre; j < ns; j++) add_link(&g, sel[j], (int32_t)x, &ws);
@@ -634,6 +734,10 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
     hi_ws_free(&ws);
   }
   ix->stats.t_repair = hi_now() - t0;
+  if (err) goto done;
+  t0 = hi_now();
+  if (ix->p.n_cooc > 0 && m > 0) err = cooc_pass(ix, n, tk, m, nq, threads);
+  ix->stats.t_cooc = hi_now() - t0;
   ix->stats.built_nodes = n;
   goto done;
 oom:
@@ -653,7 +757,7 @@ done:
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries) {
   gctx_t g = {.ix = ix, .keys = keys, .locks = NULL, .metric = ix->p.metric,
-              .alpha = ix->p.alpha};
+              .alpha = ix->p.alpha, .cap = ix->R};
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
   const int64_t n0 = ix->n;

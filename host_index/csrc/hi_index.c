@@ -72,7 +72,9 @@ int hi_index_init(hi_index_t *ix, int kind, int dim, const hi_params_t *p) {
   ix->dim = dim;
   ix->p = *p;
   ix->entry = -1;
-  ix->R = kind == HI_GRAPH ? 2 * p->M : p->M; /* HNSW keeps 2M links on level 0 */
+  /* HNSW keeps 2M links on level 0; roar keeps M (projection, connectivity)
+   * plus n_cooc co-occurrence links. */
+  ix->R = kind == HI_GRAPH ? 2 * p->M : kind == HI_ROAR ? p->M + p->n_cooc : p->M;
   if (pthread_rwlock_init(&ix->lock, NULL) != 0) return HI_ENOMEM;
   return HI_OK;
 }

@@ -79,24 +79,25 @@ static void Index_dealloc(IndexObject *self) {
 
 static int Index_init(IndexObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"kind", "dim", "M", "ef_construction", "L", "n_q", "n_pivots",
-                           "metric", "alpha", "nlist", "niter", "seed", "ef_insert", NULL};
+                           "metric", "alpha", "nlist", "niter", "seed", "ef_insert", "n_cooc",
+                           NULL};
   int kind, dim, M = 16, efc = 200, L = 100, nq = 100, npv = 1, metric = HI_L2, nlist = 0,
-                 niter = 10, efi = 0;
+                 niter = 10, efi = 0, ncooc = 0;
   float alpha = 1.f;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiKi", kwlist, &kind, &dim, &M,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiKii", kwlist, &kind, &dim, &M,
                                    &efc, &L, &nq, &npv, &metric, &alpha, &nlist, &niter, &seed,
-                                   &efi))
+                                   &efi, &ncooc))
     return -1;
   if (kind < HI_FLAT || kind > HI_ROAR || dim <= 0 || dim > 2048 || M < 1 || M > 256 ||
-      efc < 1 || L < 1 || nq < 1 || npv < 1 || efi < 0 || (metric != HI_L2 && metric != HI_IP) ||
+      efc < 1 || L < 1 || nq < 1 || npv < 1 || efi < 0 || ncooc < 0 || ncooc > 256 || (metric != HI_L2 && metric != HI_IP) ||
       nlist < 0 || niter < 0 || !(alpha >= 1.f)) {
     PyErr_SetString(PyExc_ValueError, "invalid index parameters");
     return -1;
   }
   if (self->ready) hi_index_free(&self->ix);
   hi_params_t p = {.M = M, .ef_construction = efc, .ef_insert = efi, .L = L, .n_q = nq,
-                   .n_pivots = npv, .metric = metric, .alpha = alpha, .nlist = nlist,
+                   .n_pivots = npv, .n_cooc = ncooc, .metric = metric, .alpha = alpha, .nlist = nlist,
                    .niter = niter, .seed = seed};
   self->ready = 0;
   if (hi_index_init(&self->ix, kind, dim, &p) != HI_OK) {
@@ -367,12 +368,13 @@ static PyObject *Index_stats(IndexObject *self, PyObject *unused) {
   (void)unused;
   if (ready(self) < 0) return NULL;
   const hi_stats_t *s = &self->ix.stats;
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d}", "built_nodes",
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d}", "built_nodes",
                        (long long)s->built_nodes, "projected_pivots",
-                       (long long)s->projected_pivots, "unreachable_fixed",
+                       (long long)s->projected_pivots, "cooc_edges", (long long)s->cooc_edges,
+                       "unreachable_fixed",
                        (long long)s->unreachable_fixed, "dist_build", (long long)s->dist_build,
                        "t_topk", s->t_topk, "t_project", s->t_project, "t_connect",
-                       s->t_connect, "t_repair", s->t_repair, "t_kmeans", s->t_kmeans,
+                       s->t_connect, "t_repair", s->t_repair, "t_cooc", s->t_cooc, "t_kmeans", s->t_kmeans,
                        "t_assign", s->t_assign);
 }
 
