@@ -238,14 +238,16 @@ def _adjacency(ix):
 
 
 def cooc_reference(topk, n, base, want):
-    """NumPy twin of roar's co-occurrence pass: per key, the `want` keys (not already linked) that share the
-    most training top lists with it, ties by smaller id."""
+    """NumPy twin of roar's co-occurrence pass: per key u, the `want` keys v (not already linked) with the
+    largest c(u, v) / sqrt(f(v)) (c: training top lists holding both, f: lists holding v), ties by smaller id."""
+    f = np.bincount(topk[topk >= 0].ravel(), minlength=n).astype(np.float32)
     out = []
     for u in range(n):
         rows = topk[(topk == u).any(1)]
-        c = np.bincount(rows[rows >= 0].ravel(), minlength=n).astype(np.int64)
+        c = np.bincount(rows[rows >= 0].ravel(), minlength=n).astype(np.float32)
         c[u] = 0
         c[base[u]] = 0
+        c = np.where(c > 0, c / np.sqrt(np.maximum(f, 1)), 0).astype(np.float32)
         order = np.lexsort((np.arange(n), -c))
         out.append(order[:want][c[order[:want]] > 0])
     return out
@@ -257,7 +259,7 @@ def test_roar_cooc_links_match_numpy(data, threads):
     n = 800
     topk = exact_topk(tq, keys[:n], 20)
     topk[::7, -3:] = -1  # padding is ignored
-    base = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1)
+    base = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_cooc=0)
     ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=threads, n_cooc=6)
     ref = cooc_reference(topk, n, _adjacency(base), 6)
     got = _adjacency(ix)
@@ -268,14 +270,15 @@ def test_roar_cooc_links_match_numpy(data, threads):
             np.testing.assert_array_equal(got[u][:len(b)], b)
             np.testing.assert_array_equal(got[u][len(b):], ref[u])
         assert stats["cooc_edges"] == sum(len(r) for r in ref)
-    assert all(len(g) <= 35 + 6 and len(set(g.tolist())) == len(g) for g in got)
+    m = hi.DEFAULT_PARAMS["roar"]["M"]
+    assert all(len(g) <= m + 6 and len(set(g.tolist())) == len(g) for g in got)
     assert stats["cooc_edges"] > 0
 
 
 def test_roar_cooc_recall_and_honest_scan(data):
     keys, q, tq = data
     truth = exact_topk(q, keys, K)
-    ix = hi.build_index(keys, kind="roar", train_queries=tq, n_cooc=16, threads=2)
+    ix = hi.build_index(keys, kind="roar", train_queries=tq, M=35, n_cooc=16, threads=2)
     ids, scores, scanned = ix.search(q, K, ef=64)
     assert recall(ids, truth) >= 0.95
     assert (scanned <= N).all() and (scanned >= K).all()
@@ -296,3 +299,20 @@ def test_roar_cooc_param_checks(data):
         hi.build_index(keys[:100], kind="roar", train_queries=tq[:10], n_cooc=257)
     with pytest.raises(TypeError):
         hi.build_index(keys[:100], kind="graph", n_cooc=4)
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_ef_below_k_returns_best_k_scanned(data, kind):
+    keys, q, tq = data
+    train = {"train_queries": tq} if kind == "roar" else {}
+    ix = hi.build_index(keys, kind=kind, threads=1, **train)
+    k = 40
+    ids, scores, scanned = ix.search(q, k, ef=10)
+    ids_k, _, scanned_k = ix.search(q, k, ef=k)
+    assert (ids >= 0).all() and all(len(set(r)) == k for r in ids.tolist())
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ keys.T, ids, 1), rtol=1e-5, atol=1e-4)
+    assert (np.diff(scores, axis=1) <= 0).all()
+    assert scanned.mean() < scanned_k.mean()
+    truth = exact_topk(q, keys, k)
+    assert recall(ids, truth) >= 0.5
+    assert recall(ids_k, truth) >= recall(ids, truth) - 0.02

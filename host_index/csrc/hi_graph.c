@@ -90,15 +90,20 @@ static int ensure_pool(hi_ws_t *ws, int64_t n) {
 
 /* Search from ix->entry over nodes [0, n_nodes). Leaves the (at most ef)
  * nearest in ws->top as a max-heap of size *ntop; returns distance
- * computations, or a negative hi_err. mode: HI_IP (-q.k) or HI_L2. */
+ * computations, or a negative hi_err. mode: HI_IP (-q.k) or HI_L2.
+ * kres > ef: the beam stays ef wide, but ws->top gets the kres nearest of
+ * every node scanned (ws->pool holds them meanwhile). */
 static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t n_nodes,
-                           const float *q, int mode, int ef, hi_ws_t *ws, spin_t *locks,
-                           int64_t *ntop) {
+                           const float *q, int mode, int ef, int kres, hi_ws_t *ws,
+                           spin_t *locks, int64_t *ntop) {
   *ntop = 0;
   int32_t e = ix->entry;
   if (e < 0 || e >= n_nodes || ef <= 0) return 0;
-  int err = hi_ws_ensure(ws, n_nodes, ef, ix->R, ix->dim);
+  if (kres <= ef) kres = 0;
+  int err = hi_ws_ensure(ws, n_nodes, kres > ef ? kres : ef, ix->R, ix->dim);
   if (err) return err;
+  if (kres && (err = ensure_pool(ws, kres + 1))) return err;
+  int64_t nres = 0;
   memset(ws->visited, 0, (size_t)((n_nodes + 63) >> 6) * sizeof(uint64_t));
   int64_t nt = 0, nc = 0, scanned = 1;
   float d0;
@@ -106,6 +111,7 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
   vis_test_set(ws->visited, e);
   hi_maxheap_push(ws->top, &nt, (hi_pair){d0, e});
   hi_minheap_push(ws->cand, &nc, (hi_pair){d0, e});
+  if (kres) hi_maxheap_push(ws->pool, &nres, (hi_pair){d0, e});
   int32_t *nb = ws->ids;
   while (nc > 0) {
     const hi_pair c = hi_minheap_pop(ws->cand, &nc);
@@ -122,6 +128,7 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
     scanned += m;
     for (int j = 0; j < m; j++) {
       const hi_pair p = {ws->dist[j], nb[j]};
+      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
       if (nt < ef || hi_pair_lt(p, ws->top[0])) {
         if (nc + 1 > ws->cand_cap) {
           int64_t cc = ws->cand_cap * 2;
@@ -135,15 +142,19 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
       }
     }
   }
+  if (kres) {
+    memcpy(ws->top, ws->pool, (size_t)nres * sizeof(hi_pair));
+    nt = nres;
+  }
   *ntop = nt;
   return scanned;
 }
 
 int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const float *q,
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned) {
-  if (ef <= 0) ef = 64;
-  if (ef < k) ef = k;
-  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, ws, NULL, ntop);
+  if (ef <= 0) ef = 64 > k ? 64 : k;
+  /* ef < k: a beam of ef, results the best k of every key scanned. */
+  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, ws, NULL, ntop);
   if (s < 0) return (int)s;
   *scanned = s;
   return HI_OK;
@@ -221,7 +232,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   int64_t nt;
   int err = hi_ws_ensure(ws, n_nodes, ef, ef + ix->R, ix->dim);
   if (err) return err;
-  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, ws, g->locks, &nt);
+  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, ws, g->locks, &nt);
   if (s < 0) return (int)s;
   int64_t nd = s;
   err = ensure_pool(ws, nt + (qv ? ef : 0) + 1);
@@ -230,7 +241,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   for (int64_t i = 0; i < nt; i++)
     if (ws->top[i].id != x) ws->pool[np++] = ws->top[i];
   if (qv) {
-    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, ws, g->locks, &nt);
+    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, ws, g->locks, &nt);
     if (s < 0) return (int)s;
     nd += s;
     /* Re-measure the query's results from x, in the build metric. */
@@ -352,7 +363,7 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     if (reach[u]) continue;
     int64_t nt;
     const float *uv = row_f32(g->keys, (int32_t)u, ws->row2);
-    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, ws, NULL, &nt);
+    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, ws, NULL, &nt);
     if (s < 0) {
       err = (int)s;
       break;
@@ -436,18 +447,21 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
 
 /* --- roar (attention-aware, RoarGraph-style) -------------------------------- */
 
-/* Larger count first, then smaller id: a total order, so the pass is
+/* Larger score first, then smaller id: a total order, so the pass is
  * deterministic for any thread count. */
-static inline int cooc_better(int32_t ca, int32_t ia, int32_t cb, int32_t ib) {
+static inline int cooc_better(float ca, int32_t ia, float cb, int32_t ib) {
   return ca > cb || (ca == cb && ia < ib);
 }
 
-/* Co-occurrence links: for every key u, count how many training queries have
- * both u and v among their top-nq keys, and append to u's list (after its
- * projection / connectivity neighbours, up to R = M + n_cooc) the n_cooc keys
- * v with the largest counts that u does not already link. Such v are what a
- * query that ranks u high tends to rank high too, so a search that reaches
- * one finds the others in one hop. Each key writes only its own list. */
+/* Co-occurrence links: for every key u, count c(u, v), how many training
+ * queries have both u and v among their top-nq keys, and append to u's list
+ * (after its projection / connectivity neighbours, up to R = M + n_cooc) the
+ * n_cooc keys v it does not already link with the largest
+ * c(u, v) / sqrt(f(v)), f(v) the number of top lists holding v (a cosine
+ * between the two keys' query sets: raw counts would fill every list with
+ * the few keys that nearly every query ranks high). Such v are what a query
+ * that ranks u high tends to rank high too, so a search that reaches one
+ * finds the others in one hop. Each key writes only its own list. */
 static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq,
                      int threads) {
   int64_t *off = calloc((size_t)n + 1, sizeof(int64_t));
@@ -500,11 +514,13 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
       for (int j = 0; j < d0; j++) cnt[a[j]] = -1; /* already linked: skip */
       /* Bounded selection of the `want` best by (count, id): insertion into a
        * sorted array of at most `want` entries. */
-      int32_t bid[256], bc[256];
+      int32_t bid[256];
+      float bc[256];
       int nb = 0;
       for (int64_t t = 0; t < nt; t++) {
-        const int32_t v = touched[t], c = cnt[v];
-        if (c <= 0) continue;
+        const int32_t v = touched[t];
+        if (cnt[v] <= 0) continue;
+        const float c = (float)cnt[v] / sqrtf((float)(off[v + 1] - off[v]));
         if (nb == want && !cooc_better(c, v, bc[nb - 1], bid[nb - 1])) continue;
         int pos = nb < want ? nb++ : want - 1;
         while (pos > 0 && cooc_better(c, v, bc[pos - 1], bid[pos - 1])) {
@@ -696,7 +712,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       if (npre >= M) continue;
       int64_t nt;
       const float *xv = hi_row(&k32, x);
-      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, &ws, locks, &nt);
+      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, &ws, locks, &nt);
       if (s < 0) {
         lerr = (int)s;
         continue;
