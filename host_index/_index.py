@@ -14,7 +14,8 @@ Kinds:
          reachability repair; then n_cooc co-occurrence links per key (to the
          keys whose training-query sets overlap its own most, by
          count / sqrt(frequency)); best-first search from the key nearest the
-         mean.
+         mean plus n_hubs seeds (the keys the last quarter of the training
+         queries rank high most often).
 
 Search always maximises the inner product q.k. `ef` is the candidate-list size
 for graph/roar (default max(64, k); an ef below k keeps a beam of ef and
@@ -50,7 +51,7 @@ DEFAULT_PARAMS = {
     "ivf": {"nlist": 0, "niter": 10},
     "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0, "ef_insert": 0},
     "roar": {"n_q": 100, "M": 8, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
-             "ef_insert": 0, "n_cooc": 56},
+             "ef_insert": 0, "n_cooc": 56, "n_hubs": 32},
 }
 
 
@@ -74,13 +75,15 @@ def resolve_params(kind: str, params: dict) -> dict:
     for name in ("M", "ef_construction", "L", "n_q", "n_pivots"):
         if name in out:
             _dtypes.positive_int(out[name], name)
-    for name in ("nlist", "niter", "ef_insert", "n_cooc"):
+    for name in ("nlist", "niter", "ef_insert", "n_cooc", "n_hubs"):
         if name in out:
             _dtypes.positive_int(out[name], name, allow_zero=True)
     if "M" in out and out["M"] > 256:
         raise ValueError(f"M={out['M']} must be <= 256")
     if "n_cooc" in out and out["n_cooc"] > 256:
         raise ValueError(f"n_cooc={out['n_cooc']} must be <= 256")
+    if "n_hubs" in out and out["n_hubs"] > 4096:
+        raise ValueError(f"n_hubs={out['n_hubs']} must be <= 4096")
     if "alpha" in out and not (isinstance(out["alpha"], (int, float)) and out["alpha"] >= 1.0):
         raise ValueError(f"alpha={out['alpha']!r} must be a number >= 1")
     return out
@@ -275,7 +278,10 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
             the candidate list of `insert` (and HostContext.insert); 0 uses
             ef_construction (graph) or L (roar). n_cooc (roar): extra links per
             key to the keys that share the most training top-n_q lists with it
-            (0: RoarGraph's graph alone); keys inserted later get none.
+            (0: RoarGraph's graph alone); keys inserted later get none. n_hubs
+            (roar): keys every search scores besides the entry (counted in
+            `scanned`), the most frequent in the top lists of the last quarter
+            of train_queries/train_topk rows, which must be in prompt order.
 
     Returns:
         An Index with search / insert / len.

@@ -316,3 +316,26 @@ def test_ef_below_k_returns_best_k_scanned(data, kind):
     truth = exact_topk(q, keys, k)
     assert recall(ids, truth) >= 0.5
     assert recall(ids_k, truth) >= recall(ids, truth) - 0.02
+
+
+def test_roar_hubs_are_the_recent_top_keys_and_counted(data):
+    keys, q, tq = data
+    n = 1000
+    topk = exact_topk(tq, keys[:n], 20)
+    ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_hubs=8)
+    hubs = np.frombuffer(ix._c.export()["hubs"], np.int32)
+    recent = topk[len(topk) - len(topk) // 4:]
+    cnt = np.bincount(recent.ravel(), minlength=n)
+    np.testing.assert_array_equal(hubs, np.lexsort((np.arange(n), -cnt))[:8])
+    # A search scores the entry and every hub before anything else: k = ef = 1 still scans them.
+    _, _, scanned = ix.search(q, 1, ef=1)
+    assert (scanned >= 1 + len(set(hubs.tolist()))).all()
+    none = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_hubs=0)
+    assert np.frombuffer(none._c.export()["hubs"], np.int32).size == 0
+    # Same graph without hubs (restored without them): seeds change the search only.
+    e = ix._c.export()
+    ix._c.restore(e["n"], e["entry"], e["nlist"], e["adj"], e["deg"], e["centroids"], e["assign"])
+    assert np.frombuffer(ix._c.export()["hubs"], np.int32).size == 0
+    with pytest.raises(ValueError):
+        ix._c.restore(e["n"], e["entry"], e["nlist"], e["adj"], e["deg"], e["centroids"], e["assign"],
+                      np.asarray([n], np.int32).tobytes())

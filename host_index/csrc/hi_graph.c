@@ -94,7 +94,7 @@ static int ensure_pool(hi_ws_t *ws, int64_t n) {
  * kres > ef: the beam stays ef wide, but ws->top gets the kres nearest of
  * every node scanned (ws->pool holds them meanwhile). */
 static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t n_nodes,
-                           const float *q, int mode, int ef, int kres, hi_ws_t *ws,
+                           const float *q, int mode, int ef, int kres, int seeds, hi_ws_t *ws,
                            spin_t *locks, int64_t *ntop) {
   *ntop = 0;
   int32_t e = ix->entry;
@@ -113,6 +113,33 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
   hi_minheap_push(ws->cand, &nc, (hi_pair){d0, e});
   if (kres) hi_maxheap_push(ws->pool, &nres, (hi_pair){d0, e});
   int32_t *nb = ws->ids;
+  /* Seeds: the hub keys are scored too (counted), and join the lists like
+   * neighbours of the entry. */
+  for (int h0 = 0; seeds && h0 < ix->nhubs; h0 += ix->R) {
+    int m = 0;
+    for (int h = h0; h < ix->nhubs && h < h0 + ix->R; h++) {
+      const int32_t v = ix->hubs[h];
+      if (v >= 0 && v < n_nodes && !vis_test_set(ws->visited, v)) nb[m++] = v;
+    }
+    if (m == 0) continue;
+    dist_ids(keys, mode, q, nb, m, ws->dist);
+    scanned += m;
+    for (int j = 0; j < m; j++) {
+      const hi_pair p = {ws->dist[j], nb[j]};
+      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
+      if (nt < ef || hi_pair_lt(p, ws->top[0])) {
+        if (nc + 1 > ws->cand_cap) {
+          int64_t cc = ws->cand_cap * 2;
+          hi_pair *np = realloc(ws->cand, (size_t)cc * sizeof(hi_pair));
+          if (!np) return HI_ENOMEM;
+          ws->cand = np;
+          ws->cand_cap = cc;
+        }
+        hi_minheap_push(ws->cand, &nc, p);
+        hi_maxheap_offer(ws->top, &nt, ef, p);
+      }
+    }
+  }
   while (nc > 0) {
     const hi_pair c = hi_minheap_pop(ws->cand, &nc);
     if (nt >= ef && c.d > ws->top[0].d) break;
@@ -154,7 +181,7 @@ int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, cons
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned) {
   if (ef <= 0) ef = 64 > k ? 64 : k;
   /* ef < k: a beam of ef, results the best k of every key scanned. */
-  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, ws, NULL, ntop);
+  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, 1, ws, NULL, ntop);
   if (s < 0) return (int)s;
   *scanned = s;
   return HI_OK;
@@ -232,7 +259,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   int64_t nt;
   int err = hi_ws_ensure(ws, n_nodes, ef, ef + ix->R, ix->dim);
   if (err) return err;
-  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, ws, g->locks, &nt);
+  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, 0, ws, g->locks, &nt);
   if (s < 0) return (int)s;
   int64_t nd = s;
   err = ensure_pool(ws, nt + (qv ? ef : 0) + 1);
@@ -241,7 +268,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   for (int64_t i = 0; i < nt; i++)
     if (ws->top[i].id != x) ws->pool[np++] = ws->top[i];
   if (qv) {
-    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, ws, g->locks, &nt);
+    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, 0, ws, g->locks, &nt);
     if (s < 0) return (int)s;
     nd += s;
     /* Re-measure the query's results from x, in the build metric. */
@@ -363,7 +390,7 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     if (reach[u]) continue;
     int64_t nt;
     const float *uv = row_f32(g->keys, (int32_t)u, ws->row2);
-    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, ws, NULL, &nt);
+    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, 0, ws, NULL, &nt);
     if (s < 0) {
       err = (int)s;
       break;
@@ -451,6 +478,39 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
  * deterministic for any thread count. */
 static inline int cooc_better(float ca, int32_t ia, float cb, int32_t ib) {
   return ca > cb || (ca == cb && ia < ib);
+}
+
+/* Hubs: the n_hubs keys (count > 0) most frequent in the top lists of the
+ * last quarter of the training queries (the end of the prompt, which decode
+ * queries continue), ties by smaller id. A search scores them all besides
+ * the entry, so it starts next to the keys recent queries rank high. */
+static int pick_hubs(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq) {
+  int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
+  int32_t *hubs = malloc((size_t)ix->p.n_hubs * sizeof(int32_t));
+  if (!cnt || !hubs) {
+    free(cnt);
+    free(hubs);
+    return HI_ENOMEM;
+  }
+  int64_t from = m - (m / 4 > 0 ? m / 4 : 1);
+  for (int64_t i = from * nq; i < m * nq; i++)
+    if (tk[i] >= 0) cnt[tk[i]]++;
+  int nh = 0;
+  for (int64_t v = 0; v < n; v++) {
+    const int32_t c = cnt[v];
+    if (c <= 0 || (nh == ix->p.n_hubs && c <= cnt[hubs[nh - 1]])) continue;
+    int pos = nh < ix->p.n_hubs ? nh++ : ix->p.n_hubs - 1;
+    while (pos > 0 && c > cnt[hubs[pos - 1]]) { /* ascending v: ties keep the smaller id */
+      hubs[pos] = hubs[pos - 1];
+      pos--;
+    }
+    hubs[pos] = (int32_t)v;
+  }
+  free(cnt);
+  free(ix->hubs);
+  ix->hubs = hubs;
+  ix->nhubs = nh;
+  return HI_OK;
 }
 
 /* Co-occurrence links: for every key u, count c(u, v), how many training
@@ -712,7 +772,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       if (npre >= M) continue;
       int64_t nt;
       const float *xv = hi_row(&k32, x);
-      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, &ws, locks, &nt);
+      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, 0, &ws, locks, &nt);
       if (s < 0) {
         lerr = (int)s;
         continue;
@@ -753,6 +813,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
   if (err) goto done;
   t0 = hi_now();
   if (ix->p.n_cooc > 0 && m > 0) err = cooc_pass(ix, n, tk, m, nq, threads);
+  if (!err && ix->p.n_hubs > 0 && m > 0) err = pick_hubs(ix, n, tk, m, nq);
   ix->stats.t_cooc = hi_now() - t0;
   ix->stats.built_nodes = n;
   goto done;
