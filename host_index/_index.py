@@ -40,18 +40,18 @@ METRICS = {"l2": 0, "ip": 1}
 
 # Defaults per kind. graph follows hnswlib (M 16, 2M links per node,
 # ef_construction 200); roar follows RoarGraph's N_q 100 with L 100 (as good
-# as the public L 500, ../shared/DESIGN.md), but keeps M 8 projection /
-# connectivity links and adds 56 co-occurrence links per key: on real Gemma-3
-# 32K vectors that halves the keys scanned for recall@100 0.95 against
-# RoarGraph's M 35 without them (host_index/NOTES_roar.md). ef_insert
+# as the public L 500, ../shared/DESIGN.md), but keeps M 6 projection /
+# connectivity links, adds 40 co-occurrence links per key and 32 hub seeds: on
+# real Gemma-3 32K vectors that takes the keys scanned for recall@100 0.95
+# from 6.6% (RoarGraph's M 35 alone) to under 3% (host_index/NOTES_roar.md). ef_insert
 # is the candidate list of inserts after the build (0: ef_construction for
 # graph, L for roar); see build_index for its cost and recall.
 DEFAULT_PARAMS = {
     "flat": {},
     "ivf": {"nlist": 0, "niter": 10},
     "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0, "ef_insert": 0},
-    "roar": {"n_q": 100, "M": 8, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
-             "ef_insert": 0, "n_cooc": 56, "n_hubs": 32},
+    "roar": {"n_q": 100, "M": 6, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
+             "ef_insert": 0, "n_cooc": 40, "n_hubs": 32},
 }
 
 
