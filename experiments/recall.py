@@ -12,7 +12,7 @@ growing cache (`ops.prefill_attention`). The decode queries are therefore real
 decode-step queries (what RetrievalAttention searches with), not prompt queries.
 The index of each head holds the prompt keys at positions [sinks, N - window),
 what RetrievalAttention offloads to the host at prefill; roar's training queries
-are the prompt's queries (strided to at most `--train_queries`) with their exact
+are the prompt's queries (all of them by default, or strided to at most `--train_queries`) with their exact
 top-`--train_topk` keys among the indexed ones (NumPy, no causal mask, as
 kvjax's retrieval policy does with `ops.exact_topk`). Captured vectors are cached
 as an .npz under `--cache_dir` and reused.
@@ -60,7 +60,8 @@ _LAYERS = flags.DEFINE_list("layers", [], "layers to study (default: every ~4th 
                             "Gemma 3: its global layers)")
 _SINKS = flags.DEFINE_integer("sinks", 128, "first tokens kept on the device (not indexed)")
 _WINDOW = flags.DEFINE_integer("window", 512, "last prompt tokens kept on the device (not indexed)")
-_TRAIN_Q = flags.DEFINE_integer("train_queries", 4096, "max prefill queries per head for roar (strided)")
+_TRAIN_Q = flags.DEFINE_integer("train_queries", 0, "max prefill queries per head for roar (strided); "
+                                "0 = every prompt query")
 _TRAIN_K = flags.DEFINE_integer("train_topk", 100, "N_q: exact top keys per training query")
 _KK_Q = flags.DEFINE_integer("kk_queries", 256, "keys sampled as K->K queries per KV head")
 _CACHE = flags.DEFINE_string("cache_dir", "/tmp/kvjax_recall", "where captured vectors (.npz) are cached")
@@ -74,8 +75,9 @@ _M = flags.DEFINE_integer("n_train", 8192, "prefill (training) queries for roar 
 _K = flags.DEFINE_integer("k", 100, "recall@k")
 _KINDS = flags.DEFINE_list("kinds", ["flat", "ivf64", "ivf256", "graph", "graph_ip", "roar"],
                            "flat | ivf (nlist 4*sqrt(N)) | ivf<nlist> | graph (l2) | graph_ip | roar")
-_EFS = flags.DEFINE_list("efs", ["100", "120", "150", "200", "250", "300", "400", "500", "650", "800",
-                                 "1000", "1300", "1600", "2000"], "graph/roar ef values")
+_EFS = flags.DEFINE_list("efs", ["40", "50", "60", "70", "80", "90", "100", "120", "150", "200", "250", "300", "400", "500", "650", "800",
+                                 "1000", "1300", "1600", "2000"],
+                        "graph/roar ef values (below k: a beam of ef, the best k of every key scanned)")
 _NPROBE_FRACS = flags.DEFINE_list("nprobe_fracs", ["0.016", "0.03", "0.05", "0.08", "0.12", "0.17",
                                                    "0.25", "0.35", "0.5", "0.7"],
                                   "ivf nprobe as fractions of nlist")
@@ -102,10 +104,12 @@ def parse_kind(kind: str) -> tuple[str, dict]:
     return "graph", {"metric": "ip"}
   if kind == "roar_ip":
     return "roar", {"metric": "ip"}
+  if kind == "roar_rg":  # RoarGraph's own shape: M 35, no co-occurrence links (kvjax's roar before them)
+    return "roar", {"M": 35, "n_cooc": 0}
   m = re.fullmatch(r"ivf(\d*)", kind)
   if m:
     return "ivf", ({"nlist": int(m.group(1))} if m.group(1) else {})
-  raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip")
+  raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip | roar_rg")
 
 
 def efforts_for(base: str, index, *, k: int, efs, nprobe_fracs) -> list:
@@ -115,7 +119,7 @@ def efforts_for(base: str, index, *, k: int, efs, nprobe_fracs) -> list:
     nlist = index.params["nlist"] or int(4.0 * np.sqrt(len(index)) + 0.5)
     nlist = max(1, min(nlist, len(index)))
     return sorted({max(1, min(nlist, round(f * nlist))) for f in nprobe_fracs})
-  return [ef for ef in efs if ef >= k]
+  return list(efs)  # ef < k: a beam of ef, results the best k of every key scanned
 
 
 def recall_matrix(ids: np.ndarray, truth: np.ndarray, n: int) -> np.ndarray:
@@ -351,6 +355,11 @@ def exact_topk_np(queries, keys, k, *, block=2048):
   return np.concatenate(out) if out else np.zeros((0, k), np.int64)
 
 
+def train_stride(n: int, train_queries: int) -> int:
+  """Stride over the n prompt queries that keeps at most `train_queries` of them (0: all, stride 1)."""
+  return 1 if train_queries <= 0 else max(1, -(-n // train_queries))
+
+
 def pivot_stats(train_topk: np.ndarray, n: int) -> dict:
   """How concentrated the training queries' nearest keys (pivots) are."""
   piv = train_topk[:, 0]
@@ -371,7 +380,7 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
     raise ValueError(f"only {hi_ - lo} keys to index (N={n}, sinks={sinks}, window={window}) < k={k_top}")
   Hq, Hkv = q.shape[1], k.shape[1]
   group = Hq // Hkv
-  stride = max(1, -(-n // train_queries))
+  stride = train_stride(n, train_queries)
   rng = np.random.default_rng(seed + layer)
   rows = []
   for g in range(Hkv):
@@ -382,6 +391,7 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
     dec = {h: q[layer, h, n:n + decode_steps].astype(np.float32) for h in heads}
     truth_kk = exact_topk_np(kk, keys, k_top)
     truth_dec = {h: exact_topk_np(dec[h], keys, k_top) for h in heads}
+    train_cache = {}
     for kind in kinds:
       base, params = parse_kind(kind)
       per_head = base == "roar"
@@ -389,8 +399,10 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
         train = {}
         extra = {}
         if per_head:
-          tq = q[layer, h, 0:n:stride].astype(np.float32)
-          tk = exact_topk_np(tq, keys, train_topk)
+          if h not in train_cache:  # one exact top-k per head, shared by every roar variant
+            tq = q[layer, h, 0:n:stride].astype(np.float32)
+            train_cache[h] = (tq, exact_topk_np(tq, keys, train_topk))
+          tq, tk = train_cache[h]
           train = {"train_queries": tq, "train_topk": tk}
           extra = pivot_stats(tk, n_idx)
           extra["top_pivot_pos"] += lo
@@ -450,7 +462,7 @@ def summarize(curves, kinds):
     for t in TARGETS:
       s = scanned_at(pts, t)
       row[f"scan@{t:.2f}"] = None if s is None else round(s, 4)
-    # The least effort (ef = k, or the fewest probes) already reaches the target: only a bound.
+    # The least effort (the smallest ef, or the fewest probes) already reaches the target: only a bound.
     row["at_least_effort"] = [t for t in TARGETS if pts[0][1] >= t]
     row["max_recall"] = max(r for _, r in pts)
     row["scan_at_max"] = max(s for s, _ in pts)
@@ -509,7 +521,7 @@ def summary_markdown(summary, kinds) -> str:
     layers = list(dict.fromkeys(r["layer"] for r in rs))
     present = [k for k in kinds if any(r["kind"] == k for r in rs) and k != "flat"]
     text.append(f"**{mode}**: % of indexed keys scanned for mean recall@100 0.90 / 0.95 "
-                f"(>x: never reached, x = most scanned; ≤x: the least effort, ef = k or fewest probes, already "
+                f"(>x: never reached, x = most scanned; ≤x: the least effort, smallest ef or fewest probes, already "
                 f"reaches it)\n")
     text.append("| layer | " + " | ".join(present) + " |")
     text.append("|---|" + "---|" * len(present))
@@ -626,7 +638,7 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
       f"{', reused from ' + meta['from_cache'] if meta['from_cache'] else ''}). Index per head: keys at "
       f"[{sinks}, {n - window}) = {n_idx} keys (float16); Q->K queries: the {decode_steps} decode-step "
       f"queries of every query head; K->K: {kk_queries} indexed keys per KV head. roar: training queries = "
-      f"prompt queries with stride {max(1, -(-n // train_queries))}, exact top-{train_topk} over the indexed "
+      f"prompt queries with stride {train_stride(n, train_queries)}, exact top-{train_topk} over the indexed "
       f"keys (no causal mask), one index per query head. recall@{k_top}; scanned = distance computations / "
       f"indexed keys (IVF centroids included). Study time {study_s:.0f} s for {len(layers)} layers.\n\n"
       f"Generated continuation: {json.dumps(meta['generated'])[:300]}\n\n"

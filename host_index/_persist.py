@@ -175,6 +175,10 @@ class Reader:
         if _crc(mv) != crc:
             raise CorruptFileError(f"{self.path}: blob {name!r} checksum mismatch")
 
+    def has(self, name: str) -> bool:
+        """Whether the file holds a blob of that name."""
+        return name in self._blobs
+
     def read(self, name: str) -> bytes:
         out = np.empty(self.nbytes(name), np.uint8)
         self.read_into(name, out)

@@ -71,7 +71,7 @@ def save_context(ctx, path, meta: dict) -> None:
                 st = ix._c.export()
                 key = f"{s}/{l}/{h}"
                 indexes[key] = {"n": st["n"], "entry": st["entry"], "nlist": st["nlist"]}
-                for part in ("adj", "deg", "centroids", "assign"):
+                for part in ("adj", "deg", "centroids", "assign", "hubs"):
                     blobs.append((f"ix/{key}/{part}", [st[part]]))
     head = {"format": CONTEXT_FORMAT, "store": _store_meta(ctx.store),
             "context": {"num_q_heads": ctx.num_q_heads, "kind": ctx.kind,
@@ -85,9 +85,13 @@ def load_context(cls, path, expect_meta, max_bytes):
         head = _check_head(rd, CONTEXT_FORMAT, expect_meta)
         try:
             st, cx = head["store"], head["context"]
+            params = dict(cx["index_params"])
+            if cx["kind"] == "roar":
+                params.setdefault("n_cooc", 0)  # files written before roar had co-occurrence links
+                params.setdefault("n_hubs", 0)  # ... or hubs
             ctx = cls(st["num_seqs"], st["num_layers"], cx["num_q_heads"], st["num_kv_heads"],
                       st["head_dim"], dtype=st["dtype"], kind=cx["kind"],
-                      index_params=cx["index_params"], max_bytes=max_bytes,
+                      index_params=params, max_bytes=max_bytes,
                       page_size=st["page_size"], seed=cx["seed"])
             _check_lengths(st["lengths"], ctx.num_seqs, ctx.num_layers)
             idx = head["indexes"]
@@ -107,6 +111,8 @@ def load_context(cls, path, expect_meta, max_bytes):
                             raise ValueError(f"index covers {n} > stored tokens")
                         parts = [rd.read(f"ix/{key}/{p}")
                                  for p in ("adj", "deg", "centroids", "assign")]
+                        if rd.has(f"ix/{key}/hubs"):  # files before roar's hubs have none
+                            parts.append(rd.read(f"ix/{key}/hubs"))
                         ix._c.restore(n, entry, nlist, *parts)
                     except CorruptFileError:
                         raise

@@ -140,3 +140,22 @@ def _write(tmp_path, data):
     p = tmp_path / "ok.kvjx"
     p.write_bytes(data)
     return p
+
+
+def test_roar_cooc_round_trip_and_old_files(tmp_path):
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((S, HQ, D)).astype(np.float32)
+    for params in ({"n_cooc": 8}, {"n_cooc": 0}):
+        ctx = hi.HostContext(S, 1, HQ, HKV, D, kind="roar", index_params=params)
+        k = np.stack([clustered(300, D, seed=h) for h in range(HKV)])
+        ctx.append(0, 0, 0, k, rng.standard_normal((HKV, 300, D)).astype(np.float32))
+        ctx.build_layer(0, train_queries=rng.standard_normal((S, HQ, 40, D)).astype(np.float32))
+        path = tmp_path / f"ctx{params['n_cooc']}.kvjx"
+        if not params["n_cooc"]:
+            ctx.index_params.pop("n_cooc")  # as written before roar had co-occurrence links
+        ctx.save(path)
+        back = hi.HostContext.load(path)
+        assert back.index_params["n_cooc"] == params["n_cooc"]
+        ctx.index_params["n_cooc"] = params["n_cooc"]
+        a, b = (c.search(0, q, k=10, ef=32) for c in (ctx, back))
+        np.testing.assert_array_equal(a[0], b[0])

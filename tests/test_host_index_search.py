@@ -227,3 +227,115 @@ class TestBadInput:
             hi.build_index(self.keys, kind="graph", train_queries=self.q)
         with pytest.raises(ValueError):
             hi.build_index(self.keys, kind="roar")  # no training data
+
+
+def _adjacency(ix):
+    e = ix._c.export()
+    n, r = e["n"], e["R"]
+    adj = np.frombuffer(e["adj"], np.int32).reshape(n, r)
+    deg = np.frombuffer(e["deg"], np.int32)
+    return [adj[i, :deg[i]] for i in range(n)]
+
+
+def cooc_reference(topk, n, base, want):
+    """NumPy twin of roar's co-occurrence pass: per key u, the `want` keys v (not already linked) with the
+    largest c(u, v) / sqrt(f(v)) (c: training top lists holding both, f: lists holding v), ties by smaller id."""
+    f = np.bincount(topk[topk >= 0].ravel(), minlength=n).astype(np.float32)
+    out = []
+    for u in range(n):
+        rows = topk[(topk == u).any(1)]
+        c = np.bincount(rows[rows >= 0].ravel(), minlength=n).astype(np.float32)
+        c[u] = 0
+        c[base[u]] = 0
+        c = np.where(c > 0, c / np.sqrt(np.maximum(f, 1)), 0).astype(np.float32)
+        order = np.lexsort((np.arange(n), -c))
+        out.append(order[:want][c[order[:want]] > 0])
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_roar_cooc_links_match_numpy(data, threads):
+    keys, _, tq = data
+    n = 800
+    topk = exact_topk(tq, keys[:n], 20)
+    topk[::7, -3:] = -1  # padding is ignored
+    base = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_cooc=0)
+    ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=threads, n_cooc=6)
+    ref = cooc_reference(topk, n, _adjacency(base), 6)
+    got = _adjacency(ix)
+    stats = ix.stats()
+    if threads == 1:  # the projection / connectivity part is deterministic with one thread
+        for u in range(n):
+            b = _adjacency(base)[u]
+            np.testing.assert_array_equal(got[u][:len(b)], b)
+            np.testing.assert_array_equal(got[u][len(b):], ref[u])
+        assert stats["cooc_edges"] == sum(len(r) for r in ref)
+    m = hi.DEFAULT_PARAMS["roar"]["M"]
+    assert all(len(g) <= m + 6 and len(set(g.tolist())) == len(g) for g in got)
+    assert stats["cooc_edges"] > 0
+
+
+def test_roar_cooc_recall_and_honest_scan(data):
+    keys, q, tq = data
+    truth = exact_topk(q, keys, K)
+    ix = hi.build_index(keys, kind="roar", train_queries=tq, M=35, n_cooc=16, threads=2)
+    ids, scores, scanned = ix.search(q, K, ef=64)
+    assert recall(ids, truth) >= 0.95
+    assert (scanned <= N).all() and (scanned >= K).all()
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ keys.T, ids, 1), rtol=1e-5, atol=1e-4)
+    # Inserts after a build keep working with the wider adjacency.
+    more, _ = keys_queries(200, D, 1, seed=11)
+    ix.insert(more, queries=q[np.arange(200) % Q])
+    all_keys = np.concatenate([keys, more])
+    probe = more[:100] * 3.0
+    assert np.mean(ix.search(probe, 1, ef=128)[0][:, 0] == exact_topk(probe, all_keys, 1)[:, 0]) >= 0.95
+
+
+def test_roar_cooc_param_checks(data):
+    keys, _, tq = data
+    with pytest.raises(ValueError):
+        hi.build_index(keys[:100], kind="roar", train_queries=tq[:10], n_cooc=-1)
+    with pytest.raises(ValueError):
+        hi.build_index(keys[:100], kind="roar", train_queries=tq[:10], n_cooc=257)
+    with pytest.raises(TypeError):
+        hi.build_index(keys[:100], kind="graph", n_cooc=4)
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_ef_below_k_returns_best_k_scanned(data, kind):
+    keys, q, tq = data
+    train = {"train_queries": tq} if kind == "roar" else {}
+    ix = hi.build_index(keys, kind=kind, threads=1, **train)
+    k = 40
+    ids, scores, scanned = ix.search(q, k, ef=10)
+    ids_k, _, scanned_k = ix.search(q, k, ef=k)
+    assert (ids >= 0).all() and all(len(set(r)) == k for r in ids.tolist())
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ keys.T, ids, 1), rtol=1e-5, atol=1e-4)
+    assert (np.diff(scores, axis=1) <= 0).all()
+    assert scanned.mean() < scanned_k.mean()
+    truth = exact_topk(q, keys, k)
+    assert recall(ids, truth) >= 0.5
+    assert recall(ids_k, truth) >= recall(ids, truth) - 0.02
+
+
+def test_roar_hubs_are_the_recent_top_keys_and_counted(data):
+    keys, q, tq = data
+    n = 1000
+    topk = exact_topk(tq, keys[:n], 20)
+    ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_hubs=8)
+    hubs = np.frombuffer(ix._c.export()["hubs"], np.int32)
+    recent = topk[len(topk) - len(topk) // 4:]
+    cnt = np.bincount(recent.ravel(), minlength=n)
+    np.testing.assert_array_equal(hubs, np.lexsort((np.arange(n), -cnt))[:8])
+    # A search scores the entry and every hub before anything else: k = ef = 1 still scans them.
+    _, _, scanned = ix.search(q, 1, ef=1)
+    assert (scanned >= 1 + len(set(hubs.tolist()))).all()
+    none = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_hubs=0)
+    assert np.frombuffer(none._c.export()["hubs"], np.int32).size == 0
+    # Same graph without hubs (restored without them): seeds change the search only.
+    e = ix._c.export()
+    ix._c.restore(e["n"], e["entry"], e["nlist"], e["adj"], e["deg"], e["centroids"], e["assign"])
+    assert np.frombuffer(ix._c.export()["hubs"], np.int32).size == 0
+    with pytest.raises(ValueError):
+        ix._c.restore(e["n"], e["entry"], e["nlist"], e["adj"], e["deg"], e["centroids"], e["assign"],
+                      np.asarray([n], np.int32).tobytes())

@@ -27,6 +27,7 @@ typedef struct {
   spin_t *locks;         /* NULL: a single writer (insert under the write lock) */
   int metric;
   float alpha;
+  int cap; /* out-degree limit of add_link / repair: M while building roar, else R */
   _Atomic int64_t ndist;
 } gctx_t;
 
@@ -89,15 +90,20 @@ static int ensure_pool(hi_ws_t *ws, int64_t n) {
 
 /* Search from ix->entry over nodes [0, n_nodes). Leaves the (at most ef)
  * nearest in ws->top as a max-heap of size *ntop; returns distance
- * computations, or a negative hi_err. mode: HI_IP (-q.k) or HI_L2. */
+ * computations, or a negative hi_err. mode: HI_IP (-q.k) or HI_L2.
+ * kres > ef: the beam stays ef wide, but ws->top gets the kres nearest of
+ * every node scanned (ws->pool holds them meanwhile). */
 static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t n_nodes,
-                           const float *q, int mode, int ef, hi_ws_t *ws, spin_t *locks,
-                           int64_t *ntop) {
+                           const float *q, int mode, int ef, int kres, int seeds, hi_ws_t *ws,
+                           spin_t *locks, int64_t *ntop) {
   *ntop = 0;
   int32_t e = ix->entry;
   if (e < 0 || e >= n_nodes || ef <= 0) return 0;
-  int err = hi_ws_ensure(ws, n_nodes, ef, ix->R, ix->dim);
+  if (kres <= ef) kres = 0;
+  int err = hi_ws_ensure(ws, n_nodes, kres > ef ? kres : ef, ix->R, ix->dim);
   if (err) return err;
+  if (kres && (err = ensure_pool(ws, kres + 1))) return err;
+  int64_t nres = 0;
   memset(ws->visited, 0, (size_t)((n_nodes + 63) >> 6) * sizeof(uint64_t));
   int64_t nt = 0, nc = 0, scanned = 1;
   float d0;
@@ -105,7 +111,35 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
   vis_test_set(ws->visited, e);
   hi_maxheap_push(ws->top, &nt, (hi_pair){d0, e});
   hi_minheap_push(ws->cand, &nc, (hi_pair){d0, e});
+  if (kres) hi_maxheap_push(ws->pool, &nres, (hi_pair){d0, e});
   int32_t *nb = ws->ids;
+  /* Seeds: the hub keys are scored too (counted), and join the lists like
+   * neighbours of the entry. */
+  for (int h0 = 0; seeds && h0 < ix->nhubs; h0 += ix->R) {
+    int m = 0;
+    for (int h = h0; h < ix->nhubs && h < h0 + ix->R; h++) {
+      const int32_t v = ix->hubs[h];
+      if (v >= 0 && v < n_nodes && !vis_test_set(ws->visited, v)) nb[m++] = v;
+    }
+    if (m == 0) continue;
+    dist_ids(keys, mode, q, nb, m, ws->dist);
+    scanned += m;
+    for (int j = 0; j < m; j++) {
+      const hi_pair p = {ws->dist[j], nb[j]};
+      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
+      if (nt < ef || hi_pair_lt(p, ws->top[0])) {
+        if (nc + 1 > ws->cand_cap) {
+          int64_t cc = ws->cand_cap * 2;
+          hi_pair *np = realloc(ws->cand, (size_t)cc * sizeof(hi_pair));
+          if (!np) return HI_ENOMEM;
+          ws->cand = np;
+          ws->cand_cap = cc;
+        }
+        hi_minheap_push(ws->cand, &nc, p);
+        hi_maxheap_offer(ws->top, &nt, ef, p);
+      }
+    }
+  }
   while (nc > 0) {
     const hi_pair c = hi_minheap_pop(ws->cand, &nc);
     if (nt >= ef && c.d > ws->top[0].d) break;
@@ -121,6 +155,7 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
     scanned += m;
     for (int j = 0; j < m; j++) {
       const hi_pair p = {ws->dist[j], nb[j]};
+      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
       if (nt < ef || hi_pair_lt(p, ws->top[0])) {
         if (nc + 1 > ws->cand_cap) {
           int64_t cc = ws->cand_cap * 2;
@@ -134,15 +169,19 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
       }
     }
   }
+  if (kres) {
+    memcpy(ws->top, ws->pool, (size_t)nres * sizeof(hi_pair));
+    nt = nres;
+  }
   *ntop = nt;
   return scanned;
 }
 
 int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const float *q,
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned) {
-  if (ef <= 0) ef = 64;
-  if (ef < k) ef = k;
-  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, ws, NULL, ntop);
+  if (ef <= 0) ef = 64 > k ? 64 : k;
+  /* ef < k: a beam of ef, results the best k of every key scanned. */
+  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, 1, ws, NULL, ntop);
   if (s < 0) return (int)s;
   *scanned = s;
   return HI_OK;
@@ -192,7 +231,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
   int present = 0;
   for (int j = 0; j < d && !present; j++) present = a[j] == x;
   if (!present && u != x) {
-    if (d < ix->R) {
+    if (d < g->cap) {
       a[d] = x;
       ix->deg[u] = d + 1;
     } else {
@@ -204,7 +243,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
       for (int j = 0; j <= d; j++) pairs[j] = (hi_pair){dd[j], ids[j]};
       qsort(pairs, (size_t)d + 1, sizeof(hi_pair), cmp_pair);
       atomic_fetch_add_explicit(&g->ndist, d + 1, memory_order_relaxed);
-      ix->deg[u] = select_nbrs(g, pairs, d + 1, a, 0, ix->R, ws);
+      ix->deg[u] = select_nbrs(g, pairs, d + 1, a, 0, g->cap, ws);
     }
   }
   if (g->locks) spin_unlock(&g->locks[u]);
@@ -220,7 +259,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   int64_t nt;
   int err = hi_ws_ensure(ws, n_nodes, ef, ef + ix->R, ix->dim);
   if (err) return err;
-  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, ws, g->locks, &nt);
+  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, 0, ws, g->locks, &nt);
   if (s < 0) return (int)s;
   int64_t nd = s;
   err = ensure_pool(ws, nt + (qv ? ef : 0) + 1);
@@ -229,7 +268,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   for (int64_t i = 0; i < nt; i++)
     if (ws->top[i].id != x) ws->pool[np++] = ws->top[i];
   if (qv) {
-    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, ws, g->locks, &nt);
+    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, 0, ws, g->locks, &nt);
     if (s < 0) return (int)s;
     nd += s;
     /* Re-measure the query's results from x, in the build metric. */
@@ -351,7 +390,7 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     if (reach[u]) continue;
     int64_t nt;
     const float *uv = row_f32(g->keys, (int32_t)u, ws->row2);
-    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, ws, NULL, &nt);
+    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, 0, ws, NULL, &nt);
     if (s < 0) {
       err = (int)s;
       break;
@@ -359,9 +398,9 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     hi_maxheap_sort(ws->top, nt);
     int32_t v = -1;
     for (int64_t i = 0; i < nt && v < 0; i++)
-      if (reach[ws->top[i].id] && ix->deg[ws->top[i].id] < ix->R) v = ws->top[i].id;
+      if (reach[ws->top[i].id] && ix->deg[ws->top[i].id] < g->cap) v = ws->top[i].id;
     if (v < 0) v = nt > 0 ? ws->top[0].id : ix->entry;
-    if (ix->deg[v] < ix->R) {
+    if (ix->deg[v] < g->cap) {
       ix->adj[(size_t)v * ix->R + ix->deg[v]++] = (int32_t)u;
     } else {
       int32_t *a = ix->adj + (size_t)v * ix->R;
@@ -399,7 +438,7 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
     return HI_ENOMEM;
   }
   gctx_t g = {.ix = ix, .keys = &k32, .locks = locks, .metric = ix->p.metric,
-              .alpha = ix->p.alpha};
+              .alpha = ix->p.alpha, .cap = ix->R};
   ix->entry = nearest_to_mean(&k32, n, threads);
 #pragma omp parallel num_threads(hi_threads(threads))
   {
@@ -435,6 +474,143 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
 
 /* --- roar (attention-aware, RoarGraph-style) -------------------------------- */
 
+/* Larger score first, then smaller id: a total order, so the pass is
+ * deterministic for any thread count. */
+static inline int cooc_better(float ca, int32_t ia, float cb, int32_t ib) {
+  return ca > cb || (ca == cb && ia < ib);
+}
+
+/* Hubs: the n_hubs keys (count > 0) most frequent in the top lists of the
+ * last quarter of the training queries (the end of the prompt, which decode
+ * queries continue), ties by smaller id. A search scores them all besides
+ * the entry, so it starts next to the keys recent queries rank high. */
+static int pick_hubs(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq) {
+  int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
+  int32_t *hubs = malloc((size_t)ix->p.n_hubs * sizeof(int32_t));
+  if (!cnt || !hubs) {
+    free(cnt);
+    free(hubs);
+    return HI_ENOMEM;
+  }
+  int64_t from = m - (m / 4 > 0 ? m / 4 : 1);
+  for (int64_t i = from * nq; i < m * nq; i++)
+    if (tk[i] >= 0) cnt[tk[i]]++;
+  int nh = 0;
+  for (int64_t v = 0; v < n; v++) {
+    const int32_t c = cnt[v];
+    if (c <= 0 || (nh == ix->p.n_hubs && c <= cnt[hubs[nh - 1]])) continue;
+    int pos = nh < ix->p.n_hubs ? nh++ : ix->p.n_hubs - 1;
+    while (pos > 0 && c > cnt[hubs[pos - 1]]) { /* ascending v: ties keep the smaller id */
+      hubs[pos] = hubs[pos - 1];
+      pos--;
+    }
+    hubs[pos] = (int32_t)v;
+  }
+  free(cnt);
+  free(ix->hubs);
+  ix->hubs = hubs;
+  ix->nhubs = nh;
+  return HI_OK;
+}
+
+/* Co-occurrence links: for every key u, count c(u, v), how many training
+ * queries have both u and v among their top-nq keys, and append to u's list
+ * (after its projection / connectivity neighbours, up to R = M + n_cooc) the
+ * n_cooc keys v it does not already link with the largest
+ * c(u, v) / sqrt(f(v)), f(v) the number of top lists holding v (a cosine
+ * between the two keys' query sets: raw counts would fill every list with
+ * the few keys that nearly every query ranks high). Such v are what a query
+ * that ranks u high tends to rank high too, so a search that reaches one
+ * finds the others in one hop. Each key writes only its own list. */
+static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq,
+                     int threads) {
+  int64_t *off = calloc((size_t)n + 1, sizeof(int64_t));
+  int32_t *occ = malloc((size_t)(m * nq > 0 ? m * nq : 1) * sizeof(int32_t));
+  int err = HI_OK;
+  if (!off || !occ) {
+    free(off);
+    free(occ);
+    return HI_ENOMEM;
+  }
+  /* CSR: for each key, the training queries whose top-nq lists hold it. */
+  for (int64_t i = 0; i < m * nq; i++)
+    if (tk[i] >= 0) off[tk[i] + 1]++;
+  for (int64_t u = 0; u < n; u++) off[u + 1] += off[u];
+  {
+    int64_t *fill = calloc((size_t)n, sizeof(int64_t));
+    if (!fill) {
+      free(off);
+      free(occ);
+      return HI_ENOMEM;
+    }
+    for (int64_t i = 0; i < m; i++)
+      for (int j = 0; j < nq; j++) {
+        const int32_t v = tk[i * nq + j];
+        if (v >= 0) occ[off[v] + fill[v]++] = (int32_t)i;
+      }
+    free(fill);
+  }
+  const int want = ix->p.n_cooc;
+  int64_t added = 0;
+#pragma omp parallel num_threads(hi_threads(threads)) reduction(+ : added)
+  {
+    int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
+    int32_t *touched = malloc((size_t)n * sizeof(int32_t));
+    int lerr = cnt && touched ? HI_OK : HI_ENOMEM;
+#pragma omp for schedule(dynamic, 64)
+    for (int64_t u = 0; u < n; u++) {
+      if (lerr || off[u + 1] == off[u]) continue;
+      int64_t nt = 0;
+      for (int64_t b = off[u]; b < off[u + 1]; b++) {
+        const int32_t *row = tk + (int64_t)occ[b] * nq;
+        for (int j = 0; j < nq; j++) {
+          const int32_t v = row[j];
+          if (v < 0 || v == u) continue;
+          if (cnt[v]++ == 0) touched[nt++] = v;
+        }
+      }
+      int32_t *a = ix->adj + (size_t)u * ix->R;
+      const int d0 = ix->deg[u];
+      for (int j = 0; j < d0; j++) cnt[a[j]] = -1; /* already linked: skip */
+      /* Bounded selection of the `want` best by (count, id): insertion into a
+       * sorted array of at most `want` entries. */
+      int32_t bid[256];
+      float bc[256];
+      int nb = 0;
+      for (int64_t t = 0; t < nt; t++) {
+        const int32_t v = touched[t];
+        if (cnt[v] <= 0) continue;
+        const float c = (float)cnt[v] / sqrtf((float)(off[v + 1] - off[v]));
+        if (nb == want && !cooc_better(c, v, bc[nb - 1], bid[nb - 1])) continue;
+        int pos = nb < want ? nb++ : want - 1;
+        while (pos > 0 && cooc_better(c, v, bc[pos - 1], bid[pos - 1])) {
+          bc[pos] = bc[pos - 1];
+          bid[pos] = bid[pos - 1];
+          pos--;
+        }
+        bc[pos] = c;
+        bid[pos] = v;
+      }
+      for (int64_t t = 0; t < nt; t++) cnt[touched[t]] = 0;
+      for (int j = 0; j < d0; j++) cnt[a[j]] = 0;
+      int d = d0;
+      for (int j = 0; j < nb && d < ix->R; j++) a[d++] = bid[j];
+      ix->deg[u] = d;
+      added += d - d0;
+    }
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    free(cnt);
+    free(touched);
+  }
+  ix->stats.cooc_edges = added;
+  free(off);
+  free(occ);
+  return err;
+}
+
 int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
                   int64_t m, const int64_t *topk, int nq, int threads) {
   ix->n = n;
@@ -447,8 +623,8 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
   spin_t *locks = NULL;
   int err = keys_f32(keys, n, threads, &buf, &k32);
   if (err) return err;
-  gctx_t g = {.ix = ix, .keys = &k32, .metric = ix->p.metric, .alpha = ix->p.alpha};
   const int M = ix->p.M;
+  gctx_t g = {.ix = ix, .keys = &k32, .metric = ix->p.metric, .alpha = ix->p.alpha, .cap = M};
 
   /* 1. Training neighbours: the caller's (device-computed) or exact here. */
   double t0 = hi_now();
@@ -596,7 +772,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       if (npre >= M) continue;
       int64_t nt;
       const float *xv = hi_row(&k32, x);
-      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, &ws, locks, &nt);
+      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, 0, &ws, locks, &nt);
       if (s < 0) {
         lerr = (int)s;
         continue;
@@ -613,7 +789,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       for (int j = npre; j < ns; j++) {
         int present = 0;
         for (int t = 0; t < ix->deg[x] && !present; t++) present = a[t] == sel[j];
-        if (!present && ix->deg[x] < ix->R) a[ix->deg[x]++] = sel[j];
+        if (!present && ix->deg[x] < M) a[ix->deg[x]++] = sel[j];
       }
       spin_unlock(&locks[x]);
       for (int j = npre; j < ns; j++) add_link(&g, sel[j], (int32_t)x, &ws);
@@ -634,6 +810,11 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
     hi_ws_free(&ws);
   }
   ix->stats.t_repair = hi_now() - t0;
+  if (err) goto done;
+  t0 = hi_now();
+  if (ix->p.n_cooc > 0 && m > 0) err = cooc_pass(ix, n, tk, m, nq, threads);
+  if (!err && ix->p.n_hubs > 0 && m > 0) err = pick_hubs(ix, n, tk, m, nq);
+  ix->stats.t_cooc = hi_now() - t0;
   ix->stats.built_nodes = n;
   goto done;
 oom:
@@ -653,7 +834,7 @@ done:
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries) {
   gctx_t g = {.ix = ix, .keys = keys, .locks = NULL, .metric = ix->p.metric,
-              .alpha = ix->p.alpha};
+              .alpha = ix->p.alpha, .cap = ix->R};
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
   const int64_t n0 = ix->n;

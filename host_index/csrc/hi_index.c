@@ -72,12 +72,17 @@ int hi_index_init(hi_index_t *ix, int kind, int dim, const hi_params_t *p) {
   ix->dim = dim;
   ix->p = *p;
   ix->entry = -1;
-  ix->R = kind == HI_GRAPH ? 2 * p->M : p->M; /* HNSW keeps 2M links on level 0 */
+  /* HNSW keeps 2M links on level 0; roar keeps M (projection, connectivity)
+   * plus n_cooc co-occurrence links. */
+  ix->R = kind == HI_GRAPH ? 2 * p->M : kind == HI_ROAR ? p->M + p->n_cooc : p->M;
   if (pthread_rwlock_init(&ix->lock, NULL) != 0) return HI_ENOMEM;
   return HI_OK;
 }
 
 void hi_index_free(hi_index_t *ix) {
+  free(ix->hubs);
+  ix->hubs = NULL;
+  ix->nhubs = 0;
   free(ix->adj);
   free(ix->deg);
   free(ix->centroids);
@@ -116,7 +121,7 @@ int hi_index_reserve(hi_index_t *ix, int64_t cap) {
 size_t hi_index_nbytes(const hi_index_t *ix) {
   size_t b = sizeof *ix;
   if (ix->kind == HI_GRAPH || ix->kind == HI_ROAR)
-    b += (size_t)ix->cap * ((size_t)ix->R + 1) * sizeof(int32_t);
+    b += (size_t)ix->cap * ((size_t)ix->R + 1) * sizeof(int32_t) + (size_t)ix->nhubs * sizeof(int32_t);
   if (ix->kind == HI_IVF) {
     b += (size_t)ix->cap * sizeof(int32_t);
     b += (size_t)ix->nlist * ((size_t)ix->dim * sizeof(float) + sizeof(int64_t));
@@ -131,6 +136,7 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
   memset(&ix->stats, 0, sizeof ix->stats);
   ix->n = 0;
   ix->entry = -1;
+  ix->nhubs = 0;
   int err = hi_index_reserve(ix, n > 0 ? n : 1);
   if (err) return err;
   switch (ix->kind) {

@@ -22,6 +22,10 @@ typedef struct {
                           (0: ef_construction for graph, L for roar) */
   int n_q;             /* roar: training neighbours per query when computed here */
   int n_pivots;        /* roar: how many of each query's top keys act as pivots */
+  int n_cooc;          /* roar: extra out-edges per key to the keys that share the most
+                          training queries' top-n_q lists with it (0: none) */
+  int n_hubs;          /* roar: extra search seeds, the keys most frequent in the top
+                          lists of the last quarter of the training queries (0: none) */
   int metric;          /* hi_metric: neighbour selection / build navigation */
   float alpha;         /* RNG pruning slack (>= 1 keeps more edges; L2 only) */
   int nlist;           /* ivf: number of lists (0: 4*sqrt(n)) */
@@ -32,9 +36,10 @@ typedef struct {
 typedef struct {
   int64_t built_nodes;        /* nodes linked by the build */
   int64_t projected_pivots;   /* roar: distinct pivots */
+  int64_t cooc_edges;         /* roar: edges added by the co-occurrence pass */
   int64_t unreachable_fixed;  /* graph/roar: nodes the repair pass linked */
   int64_t dist_build;         /* distance computations spent building */
-  double t_topk, t_project, t_connect, t_repair, t_kmeans, t_assign; /* seconds */
+  double t_topk, t_project, t_connect, t_repair, t_cooc, t_kmeans, t_assign; /* seconds */
 } hi_stats_t;
 
 typedef struct {
@@ -48,6 +53,8 @@ typedef struct {
   int32_t *adj; /* [cap, R] */
   int32_t *deg; /* [cap] */
   int32_t entry;
+  int32_t *hubs; /* roar: [nhubs] search seeds besides entry */
+  int nhubs;
   /* ivf */
   int nlist;
   float *centroids;  /* [nlist, dim] */

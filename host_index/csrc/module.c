@@ -79,24 +79,25 @@ static void Index_dealloc(IndexObject *self) {
 
 static int Index_init(IndexObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"kind", "dim", "M", "ef_construction", "L", "n_q", "n_pivots",
-                           "metric", "alpha", "nlist", "niter", "seed", "ef_insert", NULL};
+                           "metric", "alpha", "nlist", "niter", "seed", "ef_insert", "n_cooc",
+                           "n_hubs", NULL};
   int kind, dim, M = 16, efc = 200, L = 100, nq = 100, npv = 1, metric = HI_L2, nlist = 0,
-                 niter = 10, efi = 0;
+                 niter = 10, efi = 0, ncooc = 0, nhubs = 0;
   float alpha = 1.f;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiKi", kwlist, &kind, &dim, &M,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|$iiiiiifiiKiii", kwlist, &kind, &dim, &M,
                                    &efc, &L, &nq, &npv, &metric, &alpha, &nlist, &niter, &seed,
-                                   &efi))
+                                   &efi, &ncooc, &nhubs))
     return -1;
   if (kind < HI_FLAT || kind > HI_ROAR || dim <= 0 || dim > 2048 || M < 1 || M > 256 ||
-      efc < 1 || L < 1 || nq < 1 || npv < 1 || efi < 0 || (metric != HI_L2 && metric != HI_IP) ||
+      efc < 1 || L < 1 || nq < 1 || npv < 1 || efi < 0 || ncooc < 0 || ncooc > 256 || nhubs < 0 || nhubs > 4096 || (metric != HI_L2 && metric != HI_IP) ||
       nlist < 0 || niter < 0 || !(alpha >= 1.f)) {
     PyErr_SetString(PyExc_ValueError, "invalid index parameters");
     return -1;
   }
   if (self->ready) hi_index_free(&self->ix);
   hi_params_t p = {.M = M, .ef_construction = efc, .ef_insert = efi, .L = L, .n_q = nq,
-                   .n_pivots = npv, .metric = metric, .alpha = alpha, .nlist = nlist,
+                   .n_pivots = npv, .n_cooc = ncooc, .n_hubs = nhubs, .metric = metric, .alpha = alpha, .nlist = nlist,
                    .niter = niter, .seed = seed};
   self->ready = 0;
   if (hi_index_init(&self->ix, kind, dim, &p) != HI_OK) {
@@ -281,15 +282,18 @@ static PyObject *Index_export(IndexObject *self, PyObject *unused) {
   PyObject *cen = PyBytes_FromStringAndSize(ivf ? (const char *)ix->centroids : "",
                                             ivf ? (Py_ssize_t)ix->nlist * ix->dim * 4 : 0);
   PyObject *asg = PyBytes_FromStringAndSize(ivf ? (const char *)ix->assign : "", ivf ? n * 4 : 0);
-  if (adj && deg && cen && asg)
-    d = Py_BuildValue("{s:n,s:i,s:i,s:i,s:O,s:O,s:O,s:O}", "n", n, "entry", ix->entry, "R",
+  PyObject *hub = PyBytes_FromStringAndSize(ix->nhubs ? (const char *)ix->hubs : "",
+                                            (Py_ssize_t)ix->nhubs * 4);
+  if (adj && deg && cen && asg && hub)
+    d = Py_BuildValue("{s:n,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:O}", "n", n, "entry", ix->entry, "R",
                       ix->R, "nlist", ix->nlist, "adj", adj, "deg", deg, "centroids", cen,
-                      "assign", asg);
+                      "assign", asg, "hubs", hub);
   pthread_rwlock_unlock(&ix->lock);
   Py_XDECREF(adj);
   Py_XDECREF(deg);
   Py_XDECREF(cen);
   Py_XDECREF(asg);
+  Py_XDECREF(hub);
   return d;
 }
 
@@ -297,10 +301,12 @@ static PyObject *Index_export(IndexObject *self, PyObject *unused) {
 static PyObject *Index_restore(IndexObject *self, PyObject *args) {
   Py_ssize_t n;
   int entry, nlist;
-  Py_buffer adj, deg, cen, asg;
+  Py_buffer adj, deg, cen, asg, hub = {0};
   if (ready(self) < 0) return NULL;
-  if (!PyArg_ParseTuple(args, "niiy*y*y*y*", &n, &entry, &nlist, &adj, &deg, &cen, &asg))
+  if (!PyArg_ParseTuple(args, "niiy*y*y*y*|y*", &n, &entry, &nlist, &adj, &deg, &cen, &asg,
+                        &hub))
     return NULL;
+  const Py_ssize_t nh = hub.buf ? hub.len / 4 : 0;
   hi_index_t *ix = &self->ix;
   const int graph = ix->kind == HI_GRAPH || ix->kind == HI_ROAR;
   const int ivf = ix->kind == HI_IVF;
@@ -312,6 +318,13 @@ static PyObject *Index_restore(IndexObject *self, PyObject *args) {
   else if (ivf && (nlist < 0 || nlist > n + 1 || cen.len != (Py_ssize_t)nlist * ix->dim * 4 ||
                    asg.len != (nlist > 0 ? n * 4 : 0)))
     why = "bad ivf arrays";
+  else if (hub.buf && (hub.len % 4 || nh > 4096 || (nh > 0 && ix->kind != HI_ROAR)))
+    why = "bad hubs";
+  if (!why && nh > 0) {
+    const int32_t *hb = hub.buf;
+    for (Py_ssize_t i = 0; i < nh && !why; i++)
+      if (hb[i] < 0 || hb[i] >= n) why = "hub out of range";
+  }
   if (!why && graph) {
     const int32_t *a = adj.buf, *dg = deg.buf;
     for (Py_ssize_t i = 0; i < n && !why; i++) {
@@ -334,6 +347,17 @@ static PyObject *Index_restore(IndexObject *self, PyObject *args) {
       memcpy(ix->adj, adj.buf, (size_t)adj.len);
       memcpy(ix->deg, deg.buf, (size_t)deg.len);
       ix->entry = entry;
+      free(ix->hubs);
+      ix->hubs = NULL;
+      ix->nhubs = 0;
+      if (nh > 0) {
+        ix->hubs = malloc((size_t)nh * sizeof(int32_t));
+        if (!ix->hubs) err = HI_ENOMEM;
+        else {
+          memcpy(ix->hubs, hub.buf, (size_t)nh * sizeof(int32_t));
+          ix->nhubs = (int)nh;
+        }
+      }
     }
     if (!err && ivf) {
       free(ix->centroids);
@@ -355,6 +379,7 @@ static PyObject *Index_restore(IndexObject *self, PyObject *args) {
   PyBuffer_Release(&deg);
   PyBuffer_Release(&cen);
   PyBuffer_Release(&asg);
+  if (hub.buf) PyBuffer_Release(&hub);
   if (why) {
     PyErr_Format(PyExc_ValueError, "corrupt index state: %s", why);
     return NULL;
@@ -367,12 +392,13 @@ static PyObject *Index_stats(IndexObject *self, PyObject *unused) {
   (void)unused;
   if (ready(self) < 0) return NULL;
   const hi_stats_t *s = &self->ix.stats;
-  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d}", "built_nodes",
+  return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:d,s:d,s:d,s:d,s:d,s:d,s:d}", "built_nodes",
                        (long long)s->built_nodes, "projected_pivots",
-                       (long long)s->projected_pivots, "unreachable_fixed",
+                       (long long)s->projected_pivots, "cooc_edges", (long long)s->cooc_edges,
+                       "unreachable_fixed",
                        (long long)s->unreachable_fixed, "dist_build", (long long)s->dist_build,
                        "t_topk", s->t_topk, "t_project", s->t_project, "t_connect",
-                       s->t_connect, "t_repair", s->t_repair, "t_kmeans", s->t_kmeans,
+                       s->t_connect, "t_repair", s->t_repair, "t_cooc", s->t_cooc, "t_kmeans", s->t_kmeans,
                        "t_assign", s->t_assign);
 }
 
