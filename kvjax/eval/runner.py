@@ -48,10 +48,40 @@ class PolicySpec:
       extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
       object.__setattr__(self, "label", f"{self.policy}({extra})" if extra else self.policy)
 
+  @classmethod
+  def parse(cls, text: str) -> PolicySpec:
+    """'retrieval:index=roar:topk=100' -> PolicySpec("retrieval", {"index": "roar", "topk": 100}).
+
+    The form is name[:option=value]...[@label]; values are read as int, float, true/false,
+    or else kept as strings; a dense_layers value lists layers with '+' ("0+1").
+    """
+    body, _, label = text.strip().partition("@")
+    name, *parts = body.split(":")
+    options: dict[str, Any] = {}
+    for part in parts:
+      key, sep, raw = part.partition("=")
+      if not sep or not key:
+        raise ValueError(f"policy spec {text!r}: {part!r} is not option=value")
+      options[key] = _parse_value(key, raw)
+    return cls(name, options, label)
+
   def prefill_key(self) -> tuple:
     """Specs with equal keys can share one prefill (they differ only in decode options)."""
     decode_only = set(make_policy(self.policy).decode_options)
     return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.options.items() if k not in decode_only)))
+
+
+def _parse_value(key: str, raw: str):
+  if key == "dense_layers":
+    return tuple(int(x) for x in raw.split("+") if x)
+  if raw.lower() in ("true", "false"):
+    return raw.lower() == "true"
+  for kind in (int, float):
+    try:
+      return kind(raw)
+    except ValueError:
+      pass
+  return raw
 
 
 def prompt_ids(tokenizer, sample: Sample) -> list[int]:
