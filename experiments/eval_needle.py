@@ -18,7 +18,7 @@ import pathlib
 
 import eval_common
 import results_io
-from absl import app, flags
+from absl import app, flags, logging
 
 from kvjax import eval as kveval
 
@@ -29,6 +29,7 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every context save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.task not in kveval.task_names() or not kveval.takes_depth(FLAGS.task):

@@ -18,7 +18,7 @@ import pathlib
 
 import eval_common
 import results_io
-from absl import app, flags
+from absl import app, flags, logging
 
 from kvjax import eval as kveval
 
@@ -39,6 +39,7 @@ def pivot(summary: list[dict], tasks: list[str], columns: list[tuple[str, int]])
 
 
 def main(argv):
+  logging.set_verbosity(logging.WARNING)  # orbax logs every context save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   unknown = [t for t in FLAGS.tasks if t not in kveval.task_names()]
