@@ -188,3 +188,18 @@ def test_runner_records_on_random_tiny(tmp_path):
   assert [r["prefill_shared"] for r in records] == [False, True, True]
   assert records[2]["options"]["speculative"] and "correction_rate" in records[2]["policy_stats"]
   assert not list(tmp_path.iterdir())  # the shared context was removed
+
+
+def test_policy_spec_parse_and_prefill_groups():
+  spec = kveval.PolicySpec.parse("retrieval:index=roar:topk=100:speculative=true:tau=0.8@roar")
+  assert spec == kveval.PolicySpec("retrieval", {"index": "roar", "topk": 100, "speculative": True, "tau": 0.8},
+                                   label="roar")
+  assert kveval.PolicySpec.parse("freekv").label == "freekv"
+  assert kveval.PolicySpec.parse("streaming:dense_layers=0+1").options == {"dense_layers": (0, 1)}
+  # Decode-time options (topk, speculative, tau) share a prefill; the index kind does not.
+  assert spec.prefill_key() == kveval.PolicySpec.parse("retrieval:index=roar:topk=2000").prefill_key()
+  assert spec.prefill_key() != kveval.PolicySpec.parse("retrieval:index=graph").prefill_key()
+  with pytest.raises(ValueError, match="option=value"):
+    kveval.PolicySpec.parse("retrieval:roar")
+  with pytest.raises(ValueError, match="does not take"):
+    kveval.PolicySpec.parse("full:topk=3")
