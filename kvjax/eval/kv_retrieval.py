@@ -28,8 +28,7 @@ def kv_retrieval(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
                  tolerance: float = sizing.DEFAULT_TOLERANCE) -> Sample:
   """One kv-retrieval sample of `length` tokens; the asked pair at `depth` (random when None)."""
   rng = random.Random(f"kv_retrieval/{seed}")
-  if depth is None:
-    depth = rng.choice(niah.DEPTHS)
+  where = rng.choice(niah.DEPTHS) if depth is None else depth
   taken: set[str] = set()
   key, value = niah.unique_values(rng, "uuids", 2, taken)
 
@@ -42,7 +41,7 @@ def kv_retrieval(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
     head = INSTRUCTION + "{"
     return head + context + "}" + f'\n\nKey: "{key}"', len(head)
 
-  built = layout.fit_layout(tokenizer, pairs(), [f"{json.dumps(key)}: {json.dumps(value)}"], [depth], wrap,
+  built = layout.fit_layout(tokenizer, pairs(), [f"{json.dumps(key)}: {json.dumps(value)}"], [where], wrap,
                             length=length, sep=", ", tolerance=tolerance)
   sample = layout.needle_sample(tokenizer, "kv_retrieval", built, [key], (value,), [0], depth=depth, length=length,
                                 seed=seed, answer_prefix=ANSWER_PREFIX, max_new_tokens=40,

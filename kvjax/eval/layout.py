@@ -133,9 +133,17 @@ def cycle_units(make: Callable[[int], list[str]], chunk: int = 256) -> Iterable[
     yield from make(count)[count - chunk :]
 
 
-def needle_sample(tokenizer, task: str, built: Layout, needles, answers, asked_needles, *, depth, length, seed, answer_prefix,
-            max_new_tokens, meta) -> Sample:
-  """A Sample from a fitted layout; `asked_needles` index the needles that hold the answers."""
+def needle_sample(tokenizer: sizing.TextTokenizer, task: str, built: Layout, needles: Sequence[str],
+                  answers: Sequence[str], asked_needles: Sequence[int], *, depth: float | None, length: int,
+                  seed: int, answer_prefix: str, max_new_tokens: int, meta: dict) -> Sample:
+  """A Sample (metric "all") from a fitted layout.
+
+  Args:
+    needles: the needle texts, in the order given to fit_layout.
+    asked_needles: indices into `needles` of those that hold the answers; their measured
+      depths go to meta["answer_depths"].
+    Others: the Sample fields of the same names.
+  """
   for a in answers:
     assert a in built.text, (task, a)
   order = sorted(range(len(needles)), key=lambda i: built.spans[i][0])

@@ -115,7 +115,7 @@ def niah(tokenizer: sizing.TextTokenizer, task: str, *, length: int, seed: int =
   rng.shuffle(needles)  # RULER shuffles the needles before placing them
   asked = sorted(rng.sample(range(num_keys), num_queries))
   asked_keys = [keys[i] for i in asked]
-  depths = [d for d in rng.sample(DEPTHS, len(needles))]
+  depths = list(rng.sample(DEPTHS, len(needles)))
   if depth is not None:  # the single asked needle goes where it was asked to
     depths[next(i for i, (k, _) in enumerate(needles) if k == asked_keys[0])] = depth
 
@@ -138,19 +138,18 @@ def niah(tokenizer: sizing.TextTokenizer, task: str, *, length: int, seed: int =
                             sep="\n" if hay == "needle" else " ", tolerance=tolerance)
   answers = tuple(v for k in asked_keys for v in values[keys.index(k)])
   asked_needles = [i for i, (k, _) in enumerate(needles) if k in asked_keys]
-  return layout.needle_sample(tokenizer, task, built, texts, answers, asked_needles, depth=depth, length=length, seed=seed,
-                 answer_prefix=f"The special magic {type_v} for {query} mentioned in the provided text "
-                               f"{'is' if one else 'are'}",
-                 max_new_tokens=(40 if value_type == "uuids" else 16) * num_values * num_queries,
-                 meta={"haystack": hay, "keys": keys, "asked": asked_keys})
+  prefix = f"The special magic {type_v} for {query} mentioned in the provided text {'is' if one else 'are'}"
+  return layout.needle_sample(
+      tokenizer, task, built, texts, answers, asked_needles, depth=depth, length=length, seed=seed,
+      answer_prefix=prefix, max_new_tokens=(40 if value_type == "uuids" else 16) * num_values * num_queries,
+      meta={"haystack": hay, "keys": keys, "asked": asked_keys})
 
 
 def passkey(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0, depth: float | None = None,
             tolerance: float = sizing.DEFAULT_TOLERANCE) -> Sample:
   """kvjax's pass-key prompt (kvjax.prompts.passkey_prompt) sized to `length` tokens."""
   rng = random.Random(f"passkey/{seed}")
-  if depth is None:
-    depth = rng.choice(DEPTHS)
+  where = rng.choice(DEPTHS) if depth is None else depth
   key = str(rng.randint(10000, 99999))
   needle = prompts.PASSKEY_NEEDLE.format(passkey=key)
 
@@ -158,7 +157,7 @@ def passkey(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0, dept
     return prompts.PASSKEY_INTRO + context + prompts.PASSKEY_QUESTION, len(prompts.PASSKEY_INTRO)
 
   units = layout.cycle_units(lambda n: prompts.haystack_sentences("grammar", n, seed=seed))
-  built = layout.fit_layout(tokenizer, units, [needle], [depth], wrap, length=length, tolerance=tolerance)
-  return layout.needle_sample(tokenizer, "passkey", built, [needle], (key,), [0], depth=depth, length=length, seed=seed,
-                 answer_prefix="The pass key is", max_new_tokens=16, meta={})
+  built = layout.fit_layout(tokenizer, units, [needle], [where], wrap, length=length, tolerance=tolerance)
+  return layout.needle_sample(tokenizer, "passkey", built, [needle], (key,), [0], depth=depth, length=length,
+                              seed=seed, answer_prefix="The pass key is", max_new_tokens=16, meta={})
 

@@ -22,8 +22,9 @@ class Sample:
     length: the token target of `text`.
     tokens: the tokens `text` really has (model tokenizer, no chat template), within the
       task's tolerance below `length`.
-    depth: the requested depth of the (first) needle in the context, 0 = its first token,
-      1 = its end; None where the task places its needles at random.
+    depth: the requested depth of the asked needle in the haystack, 0 = before its first
+      token, 1 = after its last; None where it was drawn at random (then see
+      meta["answer_depths"], the measured depths of the needles holding the answers).
     needle_depths: each needle's depth measured in tokens (layout.measured_depths), in order
       of appearance; () for tasks without needles (CWE, FWE).
     context_span: (start, end) characters of the context (haystack and needles) in `text`.
