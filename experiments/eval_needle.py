@@ -44,7 +44,8 @@ def main(argv):
   samples = (kveval.make_sample(FLAGS.task, model.tokenizer, length=n, depth=d, seed=FLAGS.seed + s)
              for n in lengths for d in depths for s in range(FLAGS.samples))
   records = kveval.run_samples(model, samples, specs, on_record=eval_common.progress,
-                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk)
+                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk,
+                               early_stop=FLAGS.early_stop)
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "

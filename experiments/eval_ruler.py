@@ -51,7 +51,8 @@ def main(argv):
   samples = (kveval.make_sample(t, model.tokenizer, length=n, seed=FLAGS.seed + s)
              for n in lengths for t in FLAGS.tasks for s in range(FLAGS.samples))
   records = kveval.run_samples(model, samples, specs, on_record=eval_common.progress,
-                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk)
+                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk,
+                               early_stop=FLAGS.early_stop)
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("task", "policy", "length"))
   columns = [(spec.label, n) for n in lengths for spec in specs]

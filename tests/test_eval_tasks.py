@@ -68,6 +68,15 @@ def test_needle_sits_at_the_requested_token_depth(tok, task, depth):
   assert sample.meta["answer_depths"][0] == pytest.approx(measured, abs=0.01)
 
 
+def test_early_stop_strings_only_where_answers_hold_none(tok):
+  for task in ("niah_single_3", "vt", "kv_retrieval", "passkey"):
+    sample = kveval.make_sample(task, tok, length=LENGTH, seed=0)
+    assert sample.stop == (".", "\n")
+    assert not any(s in a for s in sample.stop for a in sample.answers)
+  for task in ("cwe", "fwe"):  # numbered lists and dotted noise: no early stop
+    assert kveval.make_sample(task, tok, length=LENGTH, seed=0).stop == ()
+
+
 def test_multi_needle_depths_are_rulers(tok):
   sample = kveval.make_sample("niah_multivalue", tok, length=LENGTH, seed=0)
   assert len(sample.needle_depths) == 4 and list(sample.needle_depths) == sorted(sample.needle_depths)

@@ -140,6 +140,7 @@ def run_sample(
     max_new_tokens: int | None = None,
     prefill_chunk: int = 1024,
     work_dir: str | pathlib.Path | None = None,
+    early_stop: bool = False,
 ) -> list[dict]:
   """Decodes `sample` under every spec in `policies`; one record per spec, in their order.
 
@@ -151,6 +152,8 @@ def run_sample(
     prefill_chunk: prompt tokens per prefill step.
     work_dir: where shared contexts are saved between decodes (a temporary directory
       by default, removed afterwards).
+    early_stop: also stop on the sample's `stop` strings (those that are one token), not
+      only on end-of-turn; scores can only drop by it, never rise (see Sample.stop).
 
   Returns:
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
@@ -166,6 +169,10 @@ def run_sample(
     raise ValueError(f"policy labels must be unique: {labels}")
   new_tokens = max_new_tokens or sample.max_new_tokens
   ids = prompt_ids(model.tokenizer, sample)
+  stop = set(model.tokenizer.eos_ids)
+  if early_stop:
+    pieces = [model.tokenizer.encode(s, add_bos=False) for s in sample.stop]
+    stop |= {p[0] for p in pieces if len(p) == 1}
   groups: dict[tuple, list[int]] = {}
   for i, spec in enumerate(policies):
     groups.setdefault(spec.prefill_key(), []).append(i)
@@ -185,8 +192,8 @@ def run_sample(
           policy = make_policy(spec.policy, **spec.options)
           context = kvjax.load_context(saved, model, policy_options={
               k: getattr(policy, k) for k in policy.decode_options})
-        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0)
-        records[i] = _record(sample, spec, result, ids, shared=len(members) > 1)
+        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=sorted(stop))
+        records[i] = _record(sample, spec, result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
   return records  # type: ignore[return-value]
 
 

@@ -31,6 +31,9 @@ class Sample:
     needle_spans: (start, end) characters of each needle in `text`, in order of appearance.
     max_new_tokens: the generation the answer needs (RULER's tokens_to_generate, shortened
       where the answer is short: decoding on the CPU costs ~0.2 s a token).
+    stop: strings that may end the generation once the answer is complete (the runner stops
+      on their single-token ids when asked to). Every metric can only grow with more text, so
+      stopping early never raises a score; it saves decode steps on slow machines.
     seed: the seed that made it; the same (task, length, depth, seed, tokenizer) gives the
       same sample.
     meta: task-specific facts (keys, chain, counts...), JSON-serializable.
@@ -49,6 +52,7 @@ class Sample:
   needle_spans: tuple[tuple[int, int], ...]
   max_new_tokens: int
   seed: int
+  stop: tuple[str, ...] = ()
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def score(self, prediction: str) -> float:
