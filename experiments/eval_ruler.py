@@ -48,19 +48,30 @@ def main(argv):
   lengths = eval_common.ints(FLAGS.lengths, "lengths")
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  samples = (kveval.make_sample(t, model.tokenizer, length=n, seed=FLAGS.seed + s)
-             for n in lengths for t in FLAGS.tasks for s in range(FLAGS.samples))
-  records = kveval.run_samples(model, samples, specs, on_record=eval_common.progress,
-                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk,
-                               early_stop=FLAGS.early_stop)
+  plan = [(t, n, FLAGS.seed + s) for n in lengths for t in FLAGS.tasks for s in range(FLAGS.samples)]
+  records: list[dict] = []
+  table: list[dict] = []
+  for done, (task, length, seed) in enumerate(plan, 1):
+    sample = kveval.make_sample(task, model.tokenizer, length=length, seed=seed)
+    for record in kveval.run_sample(model, sample, specs, max_new_tokens=FLAGS.max_new_tokens,
+                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
+      eval_common.progress(record)
+      records.append(record)
+    # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
+    table = write(model, specs, lengths, records, partial=f"{done} of {len(plan)} samples" if done < len(plan) else "")
+  print(results_io.markdown_table(table))
+
+
+def write(model, specs, lengths, records, *, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("task", "policy", "length"))
   columns = [(spec.label, n) for n in lengths for spec in specs]
   table = pivot(summary, FLAGS.tasks, columns)
   notes = (f"{model.cfg.name} ({model.source}); {FLAGS.samples} sample(s) per cell; scores: RULER "
            f"string_match_all (niah_*, vt, cwe, fwe), exact match (kv_retrieval); length = prompt text tokens "
-           f"(chat template and answer prefix on top, see prompt_tokens). Summary: mean score per task, "
-           f"one column per policy @ length.")
+           f"(chat template and answer prefix on top, see prompt_tokens); early stop at the answer's sentence end: "
+           f"{FLAGS.early_stop}. Summary: mean score per task, one column per policy @ length."
+           + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=table)
   if FLAGS.plot:
     out = pathlib.Path(FLAGS.out_dir) if FLAGS.out_dir else results_io.RESULTS_DIR
@@ -69,8 +80,7 @@ def main(argv):
                               if (t, spec.label, n) in by} for n in lengths}
     eval_common.heatmaps(panels, rows=list(FLAGS.tasks), cols=[s.label for s in specs], row_label="task",
                          col_label="policy", title=f"RULER-style tasks, {model.cfg.name}", path=out / f"{FLAGS.name}.png")
-  print(results_io.markdown_table(table))
-
+  return table
 
 if __name__ == "__main__":
   app.run(main)
