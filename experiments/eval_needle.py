@@ -41,16 +41,30 @@ def main(argv):
   lengths = eval_common.ints(FLAGS.lengths, "lengths")
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  samples = (kveval.make_sample(FLAGS.task, model.tokenizer, length=n, depth=d, seed=FLAGS.seed + s)
-             for n in lengths for d in depths for s in range(FLAGS.samples))
-  records = kveval.run_samples(model, samples, specs, on_record=eval_common.progress,
-                               max_new_tokens=FLAGS.max_new_tokens, prefill_chunk=FLAGS.prefill_chunk,
-                               early_stop=FLAGS.early_stop)
+  plan = [(n, d, FLAGS.seed + s) for n in lengths for d in depths for s in range(FLAGS.samples)]
+  records: list[dict] = []
+  summary: list[dict] = []
+  for done, (length, depth, seed) in enumerate(plan, 1):
+    sample = kveval.make_sample(FLAGS.task, model.tokenizer, length=length, depth=depth, seed=seed)
+    for record in kveval.run_sample(model, sample, specs, max_new_tokens=FLAGS.max_new_tokens,
+                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
+      eval_common.progress(record)
+      records.append(record)
+    # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
+    summary = write(model, specs, lengths, depths, records,
+                    partial=f"{done} of {len(plan)} samples" if done < len(plan) else "")
+  for s in summary:
+    print(f"{s['policy']:<34} length={s['length']} depth={s['depth']} score={s['score']:.2f} (n={s['n']})")
+
+
+def write(model, specs, lengths, depths, records, *, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
            f"{FLAGS.samples} sample(s) per cell; length = prompt text tokens (chat template and answer prefix "
-           f"on top, see prompt_tokens). Depth = haystack tokens before the needle / all haystack tokens.")
+           f"on top, see prompt_tokens). Depth = haystack tokens before the needle / all haystack tokens; "
+           f"early stop at the answer's sentence end: {FLAGS.early_stop}."
+           + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
   if FLAGS.plot:
     panels = {spec.label: {(s["length"], s["depth"]): s["score"] for s in summary if s["policy"] == spec.label}
@@ -58,9 +72,7 @@ def main(argv):
     out = pathlib.Path(FLAGS.out_dir) if FLAGS.out_dir else results_io.RESULTS_DIR
     eval_common.heatmaps(panels, rows=lengths, cols=depths, row_label="prompt tokens", col_label="depth",
                          title=f"{FLAGS.task}, {model.cfg.name}", path=out / f"{FLAGS.name}.png")
-  for s in summary:
-    print(f"{s['policy']:<34} length={s['length']} depth={s['depth']} score={s['score']:.2f} (n={s['n']})")
-
+  return summary
 
 if __name__ == "__main__":
   app.run(main)
