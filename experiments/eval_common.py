@@ -99,8 +99,9 @@ def heatmaps(panels: dict[str, dict[tuple, float]], *, rows: list, cols: list, r
   import matplotlib.pyplot as plt
   import numpy as np
 
-  fig, axes = plt.subplots(1, len(panels), figsize=(1.2 + 0.9 * len(cols) * len(panels), 1.4 + 0.45 * len(rows)),
-                           squeeze=False)
+  width = 1.6 + 0.75 * max(len(cols), 2)  # per panel
+  fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + width * len(panels), 1.8 + 0.45 * len(rows)),
+                           squeeze=False, sharey=True)
   image = None
   for ax, (name, cells) in zip(axes[0], panels.items()):
     grid = np.array([[cells.get((r, c), np.nan) for c in cols] for r in rows], dtype=float)
@@ -109,12 +110,14 @@ def heatmaps(panels: dict[str, dict[tuple, float]], *, rows: list, cols: list, r
       for j in range(len(cols)):
         if not np.isnan(grid[i, j]):
           ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=45 if len(str(cols[0])) > 4 else 0)
+    long_labels = max(len(str(c)) for c in cols) > 5
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=30 if long_labels else 0,
+                  ha="right" if long_labels else "center", fontsize=7 if long_labels else 9)
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])
     ax.set_xlabel(col_label)
-    ax.set_title(name, fontsize=9)
+    ax.set_title(name, fontsize=8)
   axes[0][0].set_ylabel(row_label)
   fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score")
-  fig.suptitle(title, fontsize=10)
+  fig.suptitle(title, fontsize=10, y=1.08)
   fig.savefig(path, dpi=120, bbox_inches="tight")
   plt.close(fig)
