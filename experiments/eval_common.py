@@ -70,8 +70,9 @@ def flatten(record: dict) -> dict:
 
 
 def progress(record: dict) -> None:
+  ms = record["ms_per_token"]  # None when the answer ended after its first token: no decode step was timed
   print(f"{record['task']:>16} len={record['length']} depth={record['depth']} seed={record['seed']} "
-        f"{record['policy']:<34} score={record['score']:.2f} {record['ms_per_token']:.0f} ms/tok "
+        f"{record['policy']:<34} score={record['score']:.2f} {'-' if ms is None else f'{ms:.0f}'} ms/tok "
         f"{record['generated']!r}", file=sys.stderr, flush=True)
 
 
@@ -85,7 +86,8 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
     out.append(dict(zip(keys, values)) | {
         "score": statistics.fmean(r["score"] for r in members),
         "n": len(members),
-        "ms_per_token": statistics.median(r["ms_per_token"] for r in members),
+        "ms_per_token": statistics.median(timed) if (timed := [r["ms_per_token"] for r in members
+                                                               if r["ms_per_token"] is not None]) else None,
     })
   return out
 
