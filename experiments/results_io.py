@@ -44,23 +44,33 @@ def markdown_table(rows: list[dict]) -> str:
   if not rows:
     return "(no rows)\n"
   columns = list(dict.fromkeys(k for row in rows for k in row))
-  def fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+  def fmt(v):  # a cell stays one cell: newlines and pipes in generated text are escaped
+    return f"{v:.4g}" if isinstance(v, float) else str(v).replace("\n", "\\n").replace("|", "\\|")
   lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
   return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | None = None, notes: str = "") -> dict:
-  """Writes <out_dir>/<name>.json and <name>.md; returns the JSON document."""
+def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | None = None, notes: str = "",
+                  summary: list[dict] | None = None) -> dict:
+  """Writes <out_dir>/<name>.json and <name>.md; returns the JSON document.
+
+  `summary` (rows aggregated from `rows`, e.g. mean scores) goes into the JSON under
+  "summary" and into the markdown as a first table, before the rows.
+  """
   directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
   directory.mkdir(parents=True, exist_ok=True)
   doc = stamp() | {"rows": rows}
   if notes:
     doc["notes"] = notes
+  if summary is not None:
+    doc["summary"] = summary
   (directory / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
   header = f"# {name}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date", "command"))
   if notes:
     header += f"\n{notes}\n"
-  (directory / f"{name}.md").write_text(header + "\n" + markdown_table(rows))
+  body = markdown_table(rows)
+  if summary is not None:
+    body = "## Summary\n\n" + markdown_table(summary) + "\n## Rows\n\n" + body
+  (directory / f"{name}.md").write_text(header + "\n" + body)
   return doc

@@ -1,0 +1,125 @@
+"""What eval_needle.py and eval_ruler.py share: flags, model loading, rows, summaries, plots.
+
+Rows written to results files are the runner's records flattened: options become one string,
+answers one string, and the numeric policy_stats become `stat_<name>` columns.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+
+from absl import app, flags
+
+import kvjax
+from kvjax import cli
+from kvjax import eval as kveval
+
+DEFAULT_POLICIES = ["full", "streaming", "retrieval:index=roar:topk=100", "freekv"]
+
+
+def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
+  flags.DEFINE_string("model", "smollm2", "Model name or path (kvjax.load_model); it needs a tokenizer.")
+  flags.DEFINE_string("dtype", "auto", "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16.")
+  flags.DEFINE_list("policies", DEFAULT_POLICIES,
+                    "Policy specs name[:option=value]...[@label], e.g. retrieval:index=roar:topk=100@roar.")
+  flags.DEFINE_list("lengths", lengths, "Prompt text lengths in tokens; the chat template, the answer prefix and "
+                    "the generation come on top (SmolLM2's context is 8192).")
+  flags.DEFINE_integer("samples", samples, "Samples per cell (seeds seed, seed+1, ...).")
+  flags.DEFINE_integer("seed", 0, "First sample seed.")
+  flags.DEFINE_integer("max_new_tokens", None, "Generation per decode; default: each task's own.")
+  flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
+  flags.DEFINE_bool("early_stop", False, "Stop decoding at the end of the answer's sentence ('.' or a newline) "
+                    "for tasks whose answers hold neither (NIAH, vt, kv): saves steps, can only lower scores.")
+  flags.DEFINE_string("name", name, "Results stem: <out_dir>/<name>.json, .md and .png.")
+  flags.DEFINE_string("out_dir", None, "Results directory (default experiments/results).")
+  flags.DEFINE_bool("plot", True, "Write <name>.png (needs matplotlib, the bench extra).")
+
+
+def policies(values: list[str]) -> list[kveval.PolicySpec]:
+  try:
+    return [kveval.PolicySpec.parse(v) for v in values]
+  except (ValueError, TypeError) as e:
+    raise app.UsageError(f"--policies: {e}") from None
+
+
+def ints(values: list[str], flag: str) -> list[int]:
+  try:
+    return [int(v) for v in values]
+  except ValueError:
+    raise app.UsageError(f"--{flag}={','.join(values)} must be integers") from None
+
+
+def load_model(name: str, dtype: str):
+  model = kvjax.load_model(name, dtype=cli.resolve_dtype(dtype))
+  if model.tokenizer is None:
+    raise app.UsageError(f"--model={name} has no tokenizer: the tasks are text")
+  return model
+
+
+def flatten(record: dict) -> dict:
+  row = {k: v for k, v in record.items() if k not in ("options", "answers", "policy_stats", "answer_depths")}
+  row["options"] = ",".join(f"{k}={v}" for k, v in sorted(record["options"].items()))
+  row["answers"] = " | ".join(record["answers"])
+  row["answer_depths"] = ",".join(f"{d:.3f}" for d in record["answer_depths"] or [])
+  for key, value in (record["policy_stats"] or {}).items():
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      row[f"stat_{key}"] = value
+  return row
+
+
+def progress(record: dict) -> None:
+  ms = record["ms_per_token"]  # None when the answer ended after its first token: no decode step was timed
+  print(f"{record['task']:>16} len={record['length']} depth={record['depth']} seed={record['seed']} "
+        f"{record['policy']:<34} score={record['score']:.2f} {'-' if ms is None else f'{ms:.0f}'} ms/tok "
+        f"{record['generated']!r}", file=sys.stderr, flush=True)
+
+
+def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
+  """Mean score (and median ms/token) per distinct value of `keys`, in first-seen order."""
+  groups: dict[tuple, list[dict]] = collections.defaultdict(list)
+  for row in rows:
+    groups[tuple(row[k] for k in keys)].append(row)
+  out = []
+  for values, members in groups.items():
+    out.append(dict(zip(keys, values)) | {
+        "score": statistics.fmean(r["score"] for r in members),
+        "n": len(members),
+        "ms_per_token": statistics.median(timed) if (timed := [r["ms_per_token"] for r in members
+                                                               if r["ms_per_token"] is not None]) else None,
+    })
+  return out
+
+
+def heatmaps(panels: dict[str, dict[tuple, float]], *, rows: list, cols: list, row_label: str, col_label: str,
+             title: str, path) -> None:
+  """One heatmap per panel (e.g. per policy): cell (row, col) = mean score, annotated."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  width = 1.6 + 0.75 * max(len(cols), 2)  # per panel
+  fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + width * len(panels), 1.8 + 0.45 * len(rows)),
+                           squeeze=False, sharey=True)
+  image = None
+  for ax, (name, cells) in zip(axes[0], panels.items()):
+    grid = np.array([[cells.get((r, c), np.nan) for c in cols] for r in rows], dtype=float)
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i in range(len(rows)):
+      for j in range(len(cols)):
+        if not np.isnan(grid[i, j]):
+          ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    long_labels = max(len(str(c)) for c in cols) > 5
+    ax.set_xticks(range(len(cols)), [str(c) for c in cols], rotation=30 if long_labels else 0,
+                  ha="right" if long_labels else "center", fontsize=7 if long_labels else 9)
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    ax.set_xlabel(col_label)
+    ax.set_title(name, fontsize=8)
+  axes[0][0].set_ylabel(row_label)
+  fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score")
+  fig.suptitle(title, fontsize=10, y=1.08)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  plt.close(fig)

@@ -1,0 +1,209 @@
+"""Decodes task samples under several attention policies and scores them.
+
+Prefill is per policy: the policy decides the state the prompt is prefilled into (a dense
+cache, a sink + window ring with a host store, an index...), and kvjax's public API has no
+conversion between states. What can be shared is shared: policy specs that differ only in
+decode-time options (the policy's `decode_options`, e.g. retrieval's topk / speculative /
+tau, freekv's speculative / tau) form one group, prefilled once, saved with
+kvjax.save_context and loaded afresh for each further member (decode consumes a context).
+So a sample costs one prefill per group, not per spec.
+
+Decoding is greedy and token by token through kvjax.decode, so every generated token after
+the first runs the policy's sparse decode path, not only the prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+import kvjax
+from kvjax.eval.sample import Sample
+from kvjax.policies import make_policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+  """A policy and its options, under a label for tables.
+
+  Attributes:
+    policy: the policy name (kvjax.policy_names()).
+    options: the policy's keyword options (e.g. dict(index="roar", topk=100)).
+    label: the name in records and tables; default: the policy name and its options.
+  """
+
+  policy: str
+  options: dict[str, Any] = dataclasses.field(default_factory=dict)
+  label: str = ""
+
+  def __post_init__(self):
+    make_policy(self.policy, **self.options)  # an unknown policy or option fails here, before any work
+    if not self.label:
+      extra = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+      object.__setattr__(self, "label", f"{self.policy}({extra})" if extra else self.policy)
+
+  @classmethod
+  def parse(cls, text: str) -> PolicySpec:
+    """'retrieval:index=roar:topk=100' -> PolicySpec("retrieval", {"index": "roar", "topk": 100}).
+
+    The form is name[:option=value]...[@label]; values are read as int, float, true/false,
+    or else kept as strings; a dense_layers value lists layers with '+' ("0+1").
+    """
+    body, _, label = text.strip().partition("@")
+    name, *parts = body.split(":")
+    options: dict[str, Any] = {}
+    for part in parts:
+      key, sep, raw = part.partition("=")
+      if not sep or not key:
+        raise ValueError(f"policy spec {text!r}: {part!r} is not option=value")
+      options[key] = _parse_value(key, raw)
+    return cls(name, options, label)
+
+  def prefill_key(self) -> tuple:
+    """Specs with equal keys can share one prefill (they differ only in decode options)."""
+    decode_only = set(make_policy(self.policy).decode_options)
+    return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.options.items() if k not in decode_only)))
+
+
+def _parse_value(key: str, raw: str):
+  if key == "dense_layers":
+    return tuple(int(x) for x in raw.split("+") if x)
+  if raw.lower() in ("true", "false"):
+    return raw.lower() == "true"
+  for kind in (int, float):
+    try:
+      return kind(raw)
+    except ValueError:
+      pass
+  return raw
+
+
+def prompt_ids(tokenizer, sample: Sample) -> list[int]:
+  """The token ids the model reads: the chat-wrapped user message, then the answer prefix.
+
+  RULER puts its answer prefix at the start of the assistant turn, so the model continues
+  "The special magic number for ... is" instead of choosing its own answer form. Models
+  without a chat template read the message, a newline, and the prefix.
+  """
+  if tokenizer.has_chat_template:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sample.text}]) + sample.answer_prefix
+    return tokenizer.encode(text, add_bos=False)
+  return tokenizer.encode(sample.text + "\n" + sample.answer_prefix)
+
+
+def _jsonable(value):
+  if isinstance(value, dict):
+    return {str(k): _jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared: bool) -> dict:
+  text = result.texts[0] if result.texts is not None else ""
+  return _jsonable({
+      "task": sample.task,
+      "length": sample.length,
+      "prompt_tokens": len(ids),
+      "depth": sample.depth,
+      "answer_depths": sample.meta.get("answer_depths"),
+      "seed": sample.seed,
+      "policy": spec.label,
+      "policy_name": spec.policy,
+      "options": dict(spec.options),
+      "score": sample.score(text),
+      "answers": list(sample.answers),
+      "generated": text,
+      "generated_tokens": len(result.tokens[0]),
+      "ms_per_token": result.ms_per_token,
+      "prefill_seconds": result.prefill_seconds,
+      "prefill_shared": shared,
+      "policy_stats": result.policy_stats,
+  })
+
+
+def run_sample(
+    model,
+    sample: Sample,
+    policies: Sequence[PolicySpec],
+    *,
+    max_new_tokens: int | None = None,
+    prefill_chunk: int = 1024,
+    work_dir: str | pathlib.Path | None = None,
+    early_stop: bool = False,
+) -> list[dict]:
+  """Decodes `sample` under every spec in `policies`; one record per spec, in their order.
+
+  Args:
+    model: from kvjax.load_model; it needs a tokenizer (the sample is text).
+    sample: from kvjax.eval.make_sample, made with this model's tokenizer.
+    policies: the specs to compare.
+    max_new_tokens: generation per decode; default: the sample's own.
+    prefill_chunk: prompt tokens per prefill step.
+    work_dir: where shared contexts are saved between decodes (a temporary directory
+      by default, removed afterwards).
+    early_stop: also stop on the sample's `stop` strings (those that are one token), not
+      only on end-of-turn; scores can only drop by it, never rise (see Sample.stop).
+
+  Returns:
+    Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
+    policy_name, options, score, answers, generated, generated_tokens, ms_per_token,
+    prefill_seconds, prefill_shared, policy_stats.
+  """
+  if model.tokenizer is None:
+    raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")
+  if not policies:
+    raise ValueError("policies is empty")
+  labels = [p.label for p in policies]
+  if len(set(labels)) != len(labels):
+    raise ValueError(f"policy labels must be unique: {labels}")
+  new_tokens = max_new_tokens or sample.max_new_tokens
+  ids = prompt_ids(model.tokenizer, sample)
+  stop = set(model.tokenizer.eos_ids)
+  if early_stop:
+    pieces = [model.tokenizer.encode(s, add_bos=False) for s in sample.stop]
+    stop |= {p[0] for p in pieces if len(p) == 1}
+  groups: dict[tuple, list[int]] = {}
+  for i, spec in enumerate(policies):
+    groups.setdefault(spec.prefill_key(), []).append(i)
+
+  records: list[dict | None] = [None] * len(policies)
+  with tempfile.TemporaryDirectory(dir=work_dir, prefix="kvjax-eval-") as tmp:
+    for members in groups.values():
+      first = policies[members[0]]
+      context = kvjax.prefill(model, ids, max_new_tokens=new_tokens, policy=first.policy,
+                              policy_options=first.options, prefill_chunk=prefill_chunk)
+      saved = pathlib.Path(tmp) / f"ctx-{members[0]}"
+      if len(members) > 1:
+        kvjax.save_context(context, saved)
+      for n, i in enumerate(members):
+        spec = policies[i]
+        if n:  # every decode option given explicitly: unset ones must not inherit the first spec's
+          policy = make_policy(spec.policy, **spec.options)
+          context = kvjax.load_context(saved, model, policy_options={
+              k: getattr(policy, k) for k in policy.decode_options})
+        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=sorted(stop))
+        records[i] = _record(sample, spec, result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
+  return records  # type: ignore[return-value]
+
+
+def run_samples(model, samples: Iterable[Sample], policies: Sequence[PolicySpec], *,
+                on_record: Callable[[dict], None] | None = None, **kwargs) -> list[dict]:
+  """run_sample over `samples`; `on_record` sees each record as it is made (progress, logs)."""
+  out = []
+  for sample in samples:
+    for record in run_sample(model, sample, policies, **kwargs):
+      if on_record is not None:
+        on_record(record)
+      out.append(record)
+  return out

@@ -1,0 +1,64 @@
+"""One generated task instance: the prompt, what a correct answer contains, how to score it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvjax.eval import scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """A prompt with its expected answers.
+
+  Attributes:
+    task: the task name (e.g. "niah_single_2").
+    text: the user message: instructions, context (haystack with the needles), question.
+    answers: strings a correct prediction contains (all of them under metric "all").
+    metric: the scorer, "all", "part" or "kv_exact" (see kvjax.eval.scoring).
+    answer_prefix: the start of the assistant's reply, put after the prompt (RULER's
+      `gen_prefix`): the model continues it, so the answer comes in a fixed form.
+    length: the token target of `text`.
+    tokens: the tokens `text` really has (model tokenizer, no chat template), within the
+      task's tolerance below `length`.
+    depth: the requested depth of the asked needle in the haystack, 0 = before its first
+      token, 1 = after its last; None where it was drawn at random (then see
+      meta["answer_depths"], the measured depths of the needles holding the answers).
+    needle_depths: each needle's depth measured in tokens (layout.measured_depths), in order
+      of appearance; () for tasks without needles (CWE, FWE).
+    context_span: (start, end) characters of the context (haystack and needles) in `text`.
+    needle_spans: (start, end) characters of each needle in `text`, in order of appearance.
+    max_new_tokens: the generation the answer needs (RULER's tokens_to_generate, shortened
+      where the answer is short: decoding on the CPU costs ~0.2 s a token).
+    stop: strings that may end the generation once the answer is complete (the runner stops
+      on their single-token ids when asked to). Every metric can only grow with more text, so
+      stopping early never raises a score; it saves decode steps on slow machines.
+    seed: the seed that made it; the same (task, length, depth, seed, tokenizer) gives the
+      same sample.
+    meta: task-specific facts (keys, chain, counts...), JSON-serializable.
+  """
+
+  task: str
+  text: str
+  answers: tuple[str, ...]
+  metric: str
+  answer_prefix: str
+  length: int
+  tokens: int
+  depth: float | None
+  needle_depths: tuple[float, ...]
+  context_span: tuple[int, int]
+  needle_spans: tuple[tuple[int, int], ...]
+  max_new_tokens: int
+  seed: int
+  stop: tuple[str, ...] = ()
+  meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def score(self, prediction: str) -> float:
+    """The task's metric on `prediction` (the generated text, without the answer prefix)."""
+    return scoring.score(prediction, self.answers, self.metric)
+
+  @property
+  def context(self) -> str:
+    return self.text[self.context_span[0] : self.context_span[1]]

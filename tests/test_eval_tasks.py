@@ -1,0 +1,214 @@
+"""kvjax.eval: task generators, scorers and the runner (CPU, seconds)."""
+
+import collections
+import json
+import re
+
+import pytest
+import tokenizers
+
+from kvjax import eval as kveval
+from kvjax.eval import sizing
+from models.registry import smollm2_gguf_path
+from models.tokenizer import Tokenizer
+
+LENGTH = 1024  # small prompts keep the suite fast; sizing does not depend on the length
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return Tokenizer.from_gguf(smollm2_gguf_path())
+
+
+def _offsets(tok, text):
+  """Character offset where each token of `text` starts (the tokenizer's own offsets)."""
+  return [start for start, _ in tok.backend.encode(text, add_special_tokens=False).offsets]
+
+
+def _token_index(starts, char):
+  """Index of the token that holds character `char`."""
+  return max(i for i, s in enumerate(starts) if s <= char)
+
+
+@pytest.mark.parametrize("task", kveval.task_names())
+def test_generators_are_deterministic_and_sized(tok, task):
+  depth = 0.5 if task == "needle" else None
+  a = kveval.make_sample(task, tok, length=LENGTH, seed=3, depth=depth)
+  b = kveval.make_sample(task, tok, length=LENGTH, seed=3, depth=depth)
+  c = kveval.make_sample(task, tok, length=LENGTH, seed=4, depth=depth)
+  assert a == b
+  assert a.text != c.text and a.task == task
+  # Within the tolerance, or within one unit where units are coarser (a kv pair is ~70 tokens).
+  assert LENGTH - max(sizing.DEFAULT_TOLERANCE * LENGTH, 80) <= a.tokens <= LENGTH
+  assert a.tokens == len(tok.encode(a.text, add_bos=False))
+  for answer in a.answers:
+    assert answer in a.context, (task, answer)
+
+
+@pytest.mark.parametrize("task", ["needle", "niah_single_1", "niah_single_3", "niah_multikey_1", "passkey",
+                                  "kv_retrieval"])
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_needle_sits_at_the_requested_token_depth(tok, task, depth):
+  """Depth = haystack tokens before the asked needle / all haystack tokens (needles left out),
+  counted on the tokenizer's own offsets of the whole prompt."""
+  sample = kveval.make_sample(task, tok, length=LENGTH, seed=1, depth=depth)
+  starts = _offsets(tok, sample.text)
+  begin, end = sample.context_span
+
+  def in_needle(char):
+    return any(s <= char < e for s, e in sample.needle_spans)
+
+  haystack = [i for i, c in enumerate(starts) if begin <= c < end and not in_needle(c)]
+  marker = json.dumps(sample.meta["key"]) if task == "kv_retrieval" else sample.answers[0]
+  asked = next(s for s, e in sample.needle_spans if s <= sample.text.index(marker, begin) < e)
+  measured = sum(i < _token_index(starts, asked) for i in haystack) / len(haystack)
+  # Needles go between haystack units: the placement is exact up to one unit.
+  tolerance = max(0.02, 1.0 / sample.meta["units"])
+  assert measured == pytest.approx(depth, abs=tolerance), (measured, sample.meta)
+  assert sample.meta["answer_depths"][0] == pytest.approx(measured, abs=0.01)
+
+
+def test_early_stop_strings_only_where_answers_hold_none(tok):
+  for task in ("niah_single_3", "vt", "kv_retrieval", "passkey"):
+    sample = kveval.make_sample(task, tok, length=LENGTH, seed=0)
+    assert sample.stop == (".", "\n")
+    assert not any(s in a for s in sample.stop for a in sample.answers)
+  for task in ("cwe", "fwe"):  # numbered lists and dotted noise: no early stop
+    assert kveval.make_sample(task, tok, length=LENGTH, seed=0).stop == ()
+
+
+def test_multi_needle_depths_are_rulers(tok):
+  sample = kveval.make_sample("niah_multivalue", tok, length=LENGTH, seed=0)
+  assert len(sample.needle_depths) == 4 and list(sample.needle_depths) == sorted(sample.needle_depths)
+  with pytest.raises(ValueError, match="depth"):
+    kveval.make_sample("niah_multivalue", tok, length=LENGTH, depth=0.5)
+  with pytest.raises(ValueError, match="depth"):
+    kveval.make_sample("cwe", tok, length=LENGTH, depth=0.5)
+
+
+def test_too_short_a_target_is_refused(tok):
+  with pytest.raises(ValueError, match="tokens"):
+    kveval.make_sample("niah_single_2", tok, length=40)
+
+
+def test_scorers_on_hand_made_answers():
+  refs = ["1234567", "7654321"]
+  assert kveval.string_match_all("The numbers are 1234567 and 7654321.", refs) == 1.0
+  assert kveval.string_match_all("The numbers are 1234567 and 7777777.", refs) == 0.5
+  assert kveval.string_match_all("I do not know.", refs) == 0.0
+  assert kveval.string_match_part("only 7654321", refs) == 1.0
+  assert kveval.string_match_part("neither", refs) == 0.0
+  assert kveval.string_match_all("  JPTWO, xnpwo\x07", ["jptwo", "XNPWO"]) == 1.0  # case and control chars
+  value = "87ef3e22-7a16-4306-92d1-3c1843533caa"
+  assert kveval.kv_exact(f' "{value}".', [value]) == 1.0
+  assert kveval.kv_exact(f"{value}ff", [value]) == 0.0  # a longer token is not the value
+  assert kveval.kv_exact(value[:20], [value]) == 0.0
+  assert kveval.score("x 1234567", ["1234567"], "all") == 1.0
+  with pytest.raises(ValueError, match="metric"):
+    kveval.score("x", ["x"], "bleu")
+
+
+def test_sample_score_uses_its_metric(tok):
+  sample = kveval.make_sample("kv_retrieval", tok, length=LENGTH, seed=2)
+  assert sample.metric == "kv_exact"
+  assert sample.score(f" {sample.answers[0]}.") == 1.0
+  assert sample.score(f" {sample.answers[0][:-1]}") == 0.0
+
+
+def test_kv_retrieval_json_parses_and_the_key_is_there_once(tok):
+  for seed in range(3):
+    sample = kveval.make_sample("kv_retrieval", tok, length=LENGTH, seed=seed)
+    obj = json.loads("{" + sample.context + "}")
+    key = sample.meta["key"]
+    assert obj[key] == sample.answers[0]
+    assert sample.context.count(key) == 1
+    assert len(obj) == sample.meta["pairs"] == sample.context.count(": ")
+    assert f'Key: "{key}"' in sample.text[sample.context_span[1]:]
+
+
+def _resolve(context):
+  """Every variable's value, following the chain statements of a vt context."""
+  value = {}
+  for name, rhs in re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)", context):
+    value[name] = value[rhs[4:]] if rhs.startswith("VAR") else rhs
+  return value
+
+
+@pytest.mark.parametrize(("num_chains", "num_hops"), [(1, 4), (2, 3)])
+def test_variable_tracking_chains_resolve_to_the_answer(tok, num_chains, num_hops):
+  sample = kveval.make_sample("vt", tok, length=LENGTH, seed=5, num_chains=num_chains, num_hops=num_hops)
+  values = _resolve(sample.context)
+  holders = {name for name, v in values.items() if v == sample.meta["value"]}
+  assert holders == set(sample.answers)
+  assert len(sample.answers) == num_hops + 1
+  assert len(values) == num_chains * (num_hops + 1)
+  assert f"assigned the value {sample.meta['value']}" in sample.text
+
+
+@pytest.mark.parametrize("length", [LENGTH, 4096])
+def test_cwe_answers_are_the_most_common_words(tok, length):
+  sample = kveval.make_sample("cwe", tok, length=length, seed=0)
+  items = re.findall(r"\d+\. (\S+)", sample.context)
+  counts = collections.Counter(items).most_common()
+  assert {w for w, _ in counts[:10]} == set(sample.answers)
+  assert counts[9][1] > counts[10][1]
+  assert counts[0][1] == sample.meta["freq_cw"] and counts[10][1] == sample.meta["freq_ucw"]
+
+
+def test_fwe_answers_are_the_most_frequent_coded_words(tok):
+  sample = kveval.make_sample("fwe", tok, length=LENGTH, seed=0)
+  counts = collections.Counter(sample.context.split()).most_common()
+  assert counts[0][0] == "..."  # RULER's noise word ranks first and is not an answer
+  assert [w for w, _ in counts[1:4]] == list(sample.answers)
+  assert counts[3][1] > counts[4][1]
+
+
+def _byte_tokenizer():
+  """A 256-token byte-level tokenizer: fits random:tiny's 512-token vocabulary."""
+  from models.tokenizer import _bytes_to_unicode
+
+  vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  return Tokenizer(tok, bos_id=None, eos_id=None)
+
+
+def test_runner_records_on_random_tiny(tmp_path):
+  """Random weights: only the records' structure is checked, never accuracy."""
+  import dataclasses
+
+  import kvjax
+
+  model = kvjax.load_model("random:tiny")
+  model = dataclasses.replace(model, tokenizer=_byte_tokenizer())
+  sample = kveval.make_sample("niah_single_1", model.tokenizer, length=700, seed=0, depth=0.5)
+  retrieval = {"index": "flat", "topk": 16, "sinks": 16, "window": 64}
+  specs = [kveval.PolicySpec("full"), kveval.PolicySpec("retrieval", retrieval, label="retrieval"),
+           kveval.PolicySpec("retrieval", retrieval | {"speculative": True}, label="speculative")]
+  records = kveval.run_sample(model, sample, specs, max_new_tokens=4, work_dir=tmp_path)
+  assert [r["policy"] for r in records] == ["full", "retrieval", "speculative"]
+  for r in records:
+    assert r["task"] == "niah_single_1" and r["length"] == 700 and r["depth"] == 0.5
+    assert r["prompt_tokens"] == len(kveval.prompt_ids(model.tokenizer, sample)) > 700
+    assert 0.0 <= r["score"] <= 1.0 and isinstance(r["generated"], str)
+    assert r["generated_tokens"] == 4 and r["ms_per_token"] > 0
+    json.dumps(r)  # records go to results files as they are
+  assert [r["prefill_shared"] for r in records] == [False, True, True]
+  assert records[2]["options"]["speculative"] and "correction_rate" in records[2]["policy_stats"]
+  assert not list(tmp_path.iterdir())  # the shared context was removed
+
+
+def test_policy_spec_parse_and_prefill_groups():
+  spec = kveval.PolicySpec.parse("retrieval:index=roar:topk=100:speculative=true:tau=0.8@roar")
+  assert spec == kveval.PolicySpec("retrieval", {"index": "roar", "topk": 100, "speculative": True, "tau": 0.8},
+                                   label="roar")
+  assert kveval.PolicySpec.parse("freekv").label == "freekv"
+  assert kveval.PolicySpec.parse("streaming:dense_layers=0+1").options == {"dense_layers": (0, 1)}
+  # Decode-time options (topk, speculative, tau) share a prefill; the index kind does not.
+  assert spec.prefill_key() == kveval.PolicySpec.parse("retrieval:index=roar:topk=2000").prefill_key()
+  assert spec.prefill_key() != kveval.PolicySpec.parse("retrieval:index=graph").prefill_key()
+  with pytest.raises(ValueError, match="option=value"):
+    kveval.PolicySpec.parse("retrieval:roar")
+  with pytest.raises(ValueError, match="does not take"):
+    kveval.PolicySpec.parse("full:topk=3")
