@@ -314,7 +314,7 @@ def resolve_layout(layout: str, cfg, params) -> str:
 
 def _finish(cfg, params, tokenizer, source, rope_scaling, layout) -> LoadedModel:
   if rope_scaling is not None:
-    cfg = cfg.with_rope_scaling(rope_scaling, layout)
+    cfg = cfg.with_rope_scaling(rope_scaling)
   if resolve_layout(layout, cfg, params) == "unrolled":
     params = decode_layout(params, unroll=True)
     source += ", unrolled layers with fused projections"
