@@ -88,6 +88,31 @@ static int ensure_pool(hi_ws_t *ws, int64_t n) {
 
 /* --- best-first search --------------------------------------------------- */
 
+/* Scores the m unvisited ids in nb and offers each to the beam (ws->top, ef
+ * wide), the candidate queue (ws->cand, grown as needed) and, with kres, the
+ * result pool. Returns HI_OK or HI_ENOMEM. */
+static int score_and_offer(const hi_keys_t *keys, int mode, const float *q, const int32_t *nb,
+                           int m, int ef, int kres, hi_ws_t *ws, int64_t *nt, int64_t *nc,
+                           int64_t *nres) {
+  dist_ids(keys, mode, q, nb, m, ws->dist);
+  for (int j = 0; j < m; j++) {
+    const hi_pair p = {ws->dist[j], nb[j]};
+    if (kres) hi_maxheap_offer(ws->pool, nres, kres, p);
+    if (*nt < ef || hi_pair_lt(p, ws->top[0])) {
+      if (*nc + 1 > ws->cand_cap) {
+        int64_t cc = ws->cand_cap * 2;
+        hi_pair *np = realloc(ws->cand, (size_t)cc * sizeof(hi_pair));
+        if (!np) return HI_ENOMEM;
+        ws->cand = np;
+        ws->cand_cap = cc;
+      }
+      hi_minheap_push(ws->cand, nc, p);
+      hi_maxheap_offer(ws->top, nt, ef, p);
+    }
+  }
+  return HI_OK;
+}
+
 /* Search from ix->entry over nodes [0, n_nodes). Leaves the (at most ef)
  * nearest in ws->top as a max-heap of size *ntop; returns distance
  * computations, or a negative hi_err. mode: HI_IP (-q.k) or HI_L2.
@@ -122,23 +147,8 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
       if (v >= 0 && v < n_nodes && !vis_test_set(ws->visited, v)) nb[m++] = v;
     }
     if (m == 0) continue;
-    dist_ids(keys, mode, q, nb, m, ws->dist);
     scanned += m;
-    for (int j = 0; j < m; j++) {
-      const hi_pair p = {ws->dist[j], nb[j]};
-      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
-      if (nt < ef || hi_pair_lt(p, ws->top[0])) {
-        if (nc + 1 > ws->cand_cap) {
-          int64_t cc = ws->cand_cap * 2;
-          hi_pair *np = realloc(ws->cand, (size_t)cc * sizeof(hi_pair));
-          if (!np) return HI_ENOMEM;
-          ws->cand = np;
-          ws->cand_cap = cc;
-        }
-        hi_minheap_push(ws->cand, &nc, p);
-        hi_maxheap_offer(ws->top, &nt, ef, p);
-      }
-    }
+    if ((err = score_and_offer(keys, mode, q, nb, m, ef, kres, ws, &nt, &nc, &nres))) return err;
   }
   while (nc > 0) {
     const hi_pair c = hi_minheap_pop(ws->cand, &nc);
@@ -151,23 +161,8 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
       nb[m++] = v;
     }
     if (m == 0) continue;
-    dist_ids(keys, mode, q, nb, m, ws->dist);
     scanned += m;
-    for (int j = 0; j < m; j++) {
-      const hi_pair p = {ws->dist[j], nb[j]};
-      if (kres) hi_maxheap_offer(ws->pool, &nres, kres, p);
-      if (nt < ef || hi_pair_lt(p, ws->top[0])) {
-        if (nc + 1 > ws->cand_cap) {
-          int64_t cc = ws->cand_cap * 2;
-          hi_pair *np = realloc(ws->cand, (size_t)cc * sizeof(hi_pair));
-          if (!np) return HI_ENOMEM;
-          ws->cand = np;
-          ws->cand_cap = cc;
-        }
-        hi_minheap_push(ws->cand, &nc, p);
-        hi_maxheap_offer(ws->top, &nt, ef, p);
-      }
-    }
+    if ((err = score_and_offer(keys, mode, q, nb, m, ef, kres, ws, &nt, &nc, &nres))) return err;
   }
   if (kres) {
     memcpy(ws->top, ws->pool, (size_t)nres * sizeof(hi_pair));
