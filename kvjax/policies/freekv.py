@@ -400,7 +400,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
-    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions, implementation="xla")
+    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
+                                implementation=self.implementation)
     return o, state.replace(dense=dense)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: FreeKVState):

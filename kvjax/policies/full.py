@@ -67,8 +67,11 @@ def dense_attention(
         q[:, 0], k_cache, v_cache, pos + 1, starts=starts, layer=layer, scale=cfg.attn_scale,
         implementation=implementation)
     return o[:, None], lse[:, None]
+  # A prompt chunk: the Pallas flash kernel on a GPU is ~3x the XLA blockwise loop
+  # (experiments/results/bench_attention.md, prefill rows).
   return ops.prefill_attention(
-      q, k_cache, v_cache, positions, positions[:, -1] + 1, window=window, layer=layer, scale=cfg.attn_scale)
+      q, k_cache, v_cache, positions, positions[:, -1] + 1, window=window, layer=layer, scale=cfg.attn_scale,
+      implementation=implementation)
 
 
 def write_and_attend(

@@ -149,7 +149,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: self._retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions, implementation="xla")
+    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
+                                implementation=self.implementation)
     B = q.shape[0]
     batch_ids = jnp.arange(B, dtype=jnp.int32)[:, None]
     valid = positions < state.prompt_lengths[:, None]  # [B, T]; padding past a prompt is not stored
