@@ -2,9 +2,12 @@
 (sequence, layer, head) over that store's keys, host partial attention, and
 the FreeKV page path.
 
-Index heads: `roar` keeps one index per query head (its training queries differ
-within a GQA group); flat/ivf/graph keep one per KV head, shared by the G =
-Hq / Hkv query heads of its group (query head h reads KV head h // G). Every
+Index heads: `roar` keeps one index per query head by default
+(roar_heads="query": its training queries differ within a GQA group), or one
+per KV head with roar_heads="kv", trained on the union of its group's queries
+(G times fewer builds, less memory and fewer decode-time inserts);
+flat/ivf/graph keep one per KV head. A per-KV-head index is shared by the G =
+Hq / Hkv query heads of its group (query head h reads index h // G). Every
 index covers store indices 0..len(index)-1 of its (seq, layer); `insert`
 appends to the store and extends the indexes, `append` only stores.
 """
@@ -17,6 +20,8 @@ from host_index import _core
 from host_index import _dtypes
 from host_index import _index
 from host_index._store import KVStore
+
+ROAR_HEADS = ("query", "kv")
 
 
 class StoreKeys:
@@ -48,7 +53,7 @@ class HostContext:
     def __init__(self, num_seqs: int, num_layers: int, num_q_heads: int, num_kv_heads: int,
                  head_dim: int, *, dtype: str = "float16", kind: str = "roar",
                  index_params: dict | None = None, max_bytes: int | None = None,
-                 page_size: int = 32, seed: int = 0):
+                 page_size: int = 32, seed: int = 0, roar_heads: str = "query"):
         """Creates an empty context.
 
         Args:
@@ -61,6 +66,13 @@ class HostContext:
                 `nbytes` but not capped).
             page_size: FreeKV page size in tokens.
             seed: index build seed.
+            roar_heads: roar only: "query" (default), one index per query
+                head, trained on that head's queries; or "kv", one index per
+                KV head, shared by its G = num_q_heads / num_kv_heads query
+                heads and trained on all G heads' queries (see build_layer).
+                Other kinds always keep one index per KV head and accept only
+                the default: "kv" with them raises ValueError (a config that
+                asks for it has the wrong kind).
         """
         _dtypes.positive_int(num_q_heads, "num_q_heads")
         _dtypes.positive_int(num_kv_heads, "num_kv_heads")
@@ -72,8 +84,14 @@ class HostContext:
         self.group = self.num_q_heads // self.store.num_kv_heads
         self.kind = kind
         self.index_params = _index.resolve_params(kind, dict(index_params or {}))
+        if not isinstance(roar_heads, str) or roar_heads not in ROAR_HEADS:
+            raise ValueError(f"{roar_heads=} must be one of {ROAR_HEADS}")
+        if roar_heads != "query" and kind != "roar":
+            raise ValueError(f"{roar_heads=} applies to kind='roar' only ({kind=} always keeps "
+                             f"one index per KV head)")
         self.seed = _dtypes.positive_int(seed, "seed", allow_zero=True)
-        self.per_q_head = kind == "roar"
+        self.roar_heads = roar_heads
+        self.per_q_head = kind == "roar" and roar_heads == "query"
         self.index_heads = self.num_q_heads if self.per_q_head else self.store.num_kv_heads
         self.meta: dict = {}
         S, L = self.store.num_seqs, self.store.num_layers
@@ -105,7 +123,8 @@ class HostContext:
         return self.store.head_dim
 
     def index(self, seq: int, layer: int, head: int) -> _index.Index:
-        """The index of (seq, layer, head); head is a query head for roar, else a KV head."""
+        """The index of (seq, layer, head); head is a query head for roar with
+        roar_heads="query", else a KV head."""
         self.store._check(seq, layer)
         if not 0 <= head < self.index_heads:
             raise ValueError(f"head={head} out of range [0, {self.index_heads})")
@@ -141,27 +160,36 @@ class HostContext:
         Args:
             layer: the layer.
             seqs: sequence ids (default: all).
-            train_queries: roar only: [len(seqs), Hq, M, D] prefill queries.
+            train_queries: roar only: [len(seqs), Hq, M, D] prefill queries
+                (in prompt order).
             train_topk: roar only: [len(seqs), Hq, M, N_q] int, each training
                 query's exact top keys by inner product (store indices, best
                 first, -1 padded), e.g. computed on the device.
+
+        With roar_heads="kv" the arguments keep these per-query-head shapes;
+        KV head g's index trains on the G*M rows of its query heads
+        gG..gG+G-1, interleaved position-major (row m*G + j = head gG+j's
+        m-th query, see `group_rows`), so the rows stay in prompt order and
+        the hub seeds (picked from the last quarter of the rows) still come
+        from the end of the prompt.
         """
         seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
         for name, arr, nd in (("train_queries", train_queries, 4), ("train_topk", train_topk, 4)):
             if arr is None:
                 continue
-            if not self.per_q_head:
+            if self.kind != "roar":
                 raise ValueError(f"{name} does not apply to kind={self.kind!r}")
             shape = np.shape(arr)
             if len(shape) != nd or shape[0] != len(seqs) or shape[1] != self.num_q_heads:
                 raise ValueError(f"{name} shape {shape} must start with "
                                  f"[{len(seqs)} seqs, {self.num_q_heads} q heads]")
+        G = 1 if self.per_q_head else self.group
         for si, s in enumerate(seqs):
             n = self.store.length(s, layer)
+            per_s = [None if a is None else np.asarray(a[si]) for a in (train_queries, train_topk)]
             for h, ix in enumerate(self._ix[s][layer]):
-                ix.build(n, train_queries=None if train_queries is None else train_queries[si][h],
-                         train_topk=None if train_topk is None else train_topk[si][h],
-                         threads=threads)
+                tq, tk = (None if a is None else group_rows(a, h, G) for a in per_s)
+                ix.build(n, train_queries=tq, train_topk=tk, threads=threads)
 
     def insert(self, seq: int, layer: int, start: int, keys, values, *, queries=None,
                threads=None) -> int:
@@ -174,7 +202,9 @@ class HostContext:
             start: store index of the first token (overlap skipped, gap = error).
             keys, values: [Hkv, n, D].
             queries: [Hq, n, D] or None: each token's own query; roar links a
-                new key through it (its training query); other kinds ignore it.
+                new key through it (its training query; with roar_heads="kv"
+                through the mean of its group's G queries, see `insert_many`);
+                other kinds ignore it.
             threads: OpenMP threads (default: all; at most one per index head).
 
         Returns:
@@ -203,7 +233,12 @@ class HostContext:
                 error, as in `insert`).
             keys, values: [T, Hkv, n, D] float32/float16/bfloat16, finite.
             queries: [T, Hq, n, D] or None: each token's own query (roar links
-                a new key through it; other kinds ignore it).
+                a new key through it; other kinds ignore it). With
+                roar_heads="kv" a KV head's index links the key through the
+                mean of its G query heads' queries: the index takes one query
+                per token (the C insert searches with it once), and the mean
+                ranks keys by the group's mean score q.k, the one direction that
+                serves all G heads equally.
             threads: OpenMP threads (default: all; at most one per index).
 
         Returns:
@@ -242,9 +277,8 @@ class HostContext:
             if qshape != (T, self.num_q_heads, n, self.head_dim):
                 raise ValueError(f"queries {qshape} must be [{T}, {self.num_q_heads}, {n}, "
                                  f"{self.head_dim}]")
-            if self.per_q_head:  # others ignore them
-                q = _dtypes.as_f32(np.reshape(queries, (-1, self.head_dim)), "queries", ndim=2,
-                                   dim=self.head_dim).reshape(qshape)
+            if self.kind == "roar":  # others ignore them
+                q = self._insert_queries(queries, qshape)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
         new = np.zeros(T, np.int64)
         done = 0
@@ -268,8 +302,9 @@ class HostContext:
         Args:
             seqs, layers: [T] int: distinct (seq, layer) pairs.
             queries: [T, Hq, n, D] or None: the queries of each pair's n unindexed tokens
-                (roar links a new key through its own query; other kinds ignore them).
-                Every pair must then have exactly n unindexed tokens.
+                (roar links a new key through its own query, or with roar_heads="kv"
+                through its group's mean query, as `insert_many`; other kinds ignore
+                them). Every pair must then have exactly n unindexed tokens.
             threads: OpenMP threads (default: all; at most one per index).
         """
         seqs, layers = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
@@ -281,7 +316,7 @@ class HostContext:
             self.store._check(s, l)
             starts.append(self.indexed(s, l))
         q = None
-        if queries is not None and self.per_q_head:
+        if queries is not None and self.kind == "roar":
             qshape = np.shape(queries)
             pending = {self.store.length(s, l) - st for s, l, st in zip(seqs, layers, starts)}
             if (len(qshape) != 4 or qshape[:2] != (len(seqs), self.num_q_heads)
@@ -289,15 +324,28 @@ class HostContext:
                 raise ValueError(f"queries {qshape} must be [{len(seqs)}, {self.num_q_heads}, n, "
                                  f"{self.head_dim}] with n the unindexed tokens of every pair "
                                  f"({sorted(pending)})")
-            q = _dtypes.as_f32(np.reshape(queries, (-1, self.head_dim)), "queries", ndim=2,
-                               dim=self.head_dim).reshape(qshape)
+            q = self._insert_queries(queries, qshape)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
         self._extend(seqs, layers, starts, q, nthreads)
+
+    def _insert_queries(self, queries, qshape):
+        """Validated float32 queries [T, Hidx, n, D], one row per token and index head.
+
+        qshape = [T, Hq, n, D] (checked by the caller). roar_heads="kv": the
+        mean over each group's G query heads (one query per token per index).
+        """
+        q = _dtypes.as_f32(np.reshape(queries, (-1, self.head_dim)), "queries", ndim=2,
+                           dim=self.head_dim).reshape(qshape)
+        if not self.per_q_head:
+            T, _, n, D = qshape
+            q = np.ascontiguousarray(q.reshape(T, self.num_kv_heads, self.group, n, D).mean(
+                axis=2, dtype=np.float32))
+        return q
 
     def _extend(self, seqs, layers, starts, q, nthreads) -> None:
         """Indexes every stored token of the (seq, layer)s in one C call.
 
-        q: [T, Hq, n, D] float32 (rows of tokens starts[i] ...) or None.
+        q: [T, Hidx, n, D] float32 (rows of tokens starts[i] ..., one per index head) or None.
         """
         ixs, kbufs, heads, caps, totals, qstarts, qrows = [], [], [], [], [], [], []
         for i, (s, l, st) in enumerate(zip(seqs, layers, starts)):
@@ -381,7 +429,8 @@ class HostContext:
         """Top-k store ids of one layer for all (seq, query head), in one C call.
 
         The search half of `attend`: (b, h) gets exactly what
-        `index(seqs[b], layer, h or h // G).search(queries[b, h], k, ef=ef)` returns.
+        `index(seqs[b], layer, h if per_q_head else h // G).search(queries[b, h], k, ef=ef)`
+        returns (per_q_head: roar with roar_heads="query").
 
         Args:
             layer: the layer.
@@ -490,3 +539,17 @@ class HostContext:
         """
         from host_index import _saveload
         return _saveload.load_context(cls, path, expect_meta, max_bytes)
+
+
+def group_rows(a, g: int, G: int) -> np.ndarray:
+    """Training rows of index head g: [G*M, X] from a [Hq, M, X] per-query-head array.
+
+    G = 1: query head g's rows as they are. G > 1 (roar_heads="kv"): query heads
+    gG..gG+G-1 interleaved position-major, row m*G + j = head gG+j's row m, so
+    the rows stay in prompt order (roar picks its hub seeds from the last
+    quarter of the rows).
+    """
+    if G == 1:
+        return a[g]
+    part = a[g * G:(g + 1) * G]  # [G, M, X]
+    return np.ascontiguousarray(part.transpose(1, 0, 2)).reshape(-1, part.shape[2])

@@ -75,7 +75,8 @@ def save_context(ctx, path, meta: dict) -> None:
                     blobs.append((f"ix/{key}/{part}", [st[part]]))
     head = {"format": CONTEXT_FORMAT, "store": _store_meta(ctx.store),
             "context": {"num_q_heads": ctx.num_q_heads, "kind": ctx.kind,
-                        "index_params": ctx.index_params, "seed": ctx.seed},
+                        "index_params": ctx.index_params, "seed": ctx.seed,
+                        "roar_heads": ctx.roar_heads},
             "indexes": indexes, "user": meta}
     _persist.write(path, head, iter(blobs))
 
@@ -92,7 +93,9 @@ def load_context(cls, path, expect_meta, max_bytes):
             ctx = cls(st["num_seqs"], st["num_layers"], cx["num_q_heads"], st["num_kv_heads"],
                       st["head_dim"], dtype=st["dtype"], kind=cx["kind"],
                       index_params=params, max_bytes=max_bytes,
-                      page_size=st["page_size"], seed=cx["seed"])
+                      page_size=st["page_size"], seed=cx["seed"],
+                      # files written before roar_heads existed kept one roar index per query head
+                      roar_heads=cx.get("roar_heads", "query"))
             _check_lengths(st["lengths"], ctx.num_seqs, ctx.num_layers)
             idx = head["indexes"]
         except (KeyError, TypeError, ValueError) as e:
