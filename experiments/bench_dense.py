@@ -120,7 +120,7 @@ def run_cases(model, context_len: int, batch: int, ceiling: float) -> list[dict]
   rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, capacity))
   dtype = jnp.dtype(FLAGS.dtype)
   base = dict(model=cfg.name, context=context_len, batch=batch, fill=FLAGS.fill)
-  state, prefill_row = prefill(model, cfg, FullAttention(implementation="xla"), rope, context_len, batch,
+  state, prefill_row = prefill(model, cfg, FullAttention(), rope, context_len, batch,
                                capacity, dtype)
   kv_read = 2 * cfg.num_layers * batch * cfg.num_kv_heads * (context_len + 3) * cfg.head_dim * dtype.itemsize
   w_read = weight_bytes_per_token(model.params, cfg)

@@ -87,21 +87,27 @@ class HostStats:
     return out
 
 
-def default_background_threads() -> int:
-  """Half the cores this process may run on (at least 1): the speculative background search
-  leaves the other half to the critical path (insert, corrections, attention, the device)."""
+def available_cores() -> int:
   try:
-    cores = len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0))
   except AttributeError:  # not Linux
-    cores = os.cpu_count() or 1
-  return max(1, cores // 2)
+    return os.cpu_count() or 1
+
+
+def default_background_threads() -> int:
+  """Half the cores this process may run on (at least 1): the background jobs (indexing,
+  speculative search) leave the other half to the critical path (insert, corrections,
+  attention, feeding the device)."""
+  return max(1, available_cores() // 2)
 
 
 class HostRuntime:
   """One run's host context, retrieval settings and error log.
 
   background_threads: OpenMP threads of the background jobs (indexing, speculative search;
-  default half the cores, `default_background_threads`); the critical path uses all of them.
+  default half the cores, `default_background_threads`); the critical path gets the other
+  cores. The two thread teams run at the same time and must not share cores: an OpenMP team
+  whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
@@ -113,6 +119,7 @@ class HostRuntime:
         background_threads)
     if self.background_threads < 1:
       raise ValueError(f"background_threads={background_threads} must be >= 1")
+    self.critical_threads = max(1, available_cores() - self.background_threads)
     self.stats = HostStats()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
@@ -229,8 +236,10 @@ class HostRuntime:
 
   def _search(self, layer: int, queries, heads=None, threads=None):
     """Top-k store ids [B, Hq, k] and scanned [B, Hq] of every (seq, query head) in `heads`
-    ([B, Hq] bool, default all; the others get -1 / 0): one GIL-free C call."""
-    return self.context.search(layer, queries, k=self.topk, ef=self.ef, heads=heads, threads=threads)
+    ([B, Hq] bool, default all; the others get -1 / 0): one GIL-free C call, on the critical
+    path's cores unless `threads` says otherwise."""
+    return self.context.search(layer, queries, k=self.topk, ef=self.ef, heads=heads,
+                               threads=threads or self.critical_threads)
 
   def _speculative_layer(self, layer: int, queries, unindexed, background):
     """background: the (ids, scanned) of the search launched with the previous step's query,
@@ -271,8 +280,8 @@ class HostRuntime:
 
   def _attend_ids(self, layer: int, queries, ids):
     """Attention of queries [B, Hq, D] over given store ids [B, Hq, n] (-1 = none) -> (o, lse):
-    one C call on the critical path (all threads; small layers stay on this thread)."""
-    return self.context.attend_ids(layer, queries, ids, scale=self.scale)
+    one C call on the critical path's cores (small layers stay on this thread)."""
+    return self.context.attend_ids(layer, queries, ids, scale=self.scale, threads=self.critical_threads)
 
 
 def reuse_hits(
