@@ -74,7 +74,9 @@ _Q = flags.DEFINE_integer("n_queries", 200, "decode queries evaluated (synthetic
 _M = flags.DEFINE_integer("n_train", 8192, "prefill (training) queries for roar (synthetic)")
 _K = flags.DEFINE_integer("k", 100, "recall@k")
 _KINDS = flags.DEFINE_list("kinds", ["flat", "ivf64", "ivf256", "graph", "graph_ip", "roar"],
-                           "flat | ivf (nlist 4*sqrt(N)) | ivf<nlist> | graph (l2) | graph_ip | roar")
+                           "flat | ivf (nlist 4*sqrt(N)) | ivf<nlist> | graph (l2) | graph_ip | roar | roar_rg | "
+                           "roar_ip; a roar kind + _kv (roar_kv): one index per KV head trained on its group's "
+                           "queries (HostContext roar_heads='kv') instead of one per query head")
 _EFS = flags.DEFINE_list("efs", ["40", "50", "60", "70", "80", "90", "100", "120", "150", "200", "250", "300", "400", "500", "650", "800",
                                  "1000", "1300", "1600", "2000"],
                         "graph/roar ef values (below k: a beam of ef, the best k of every key scanned)")
@@ -96,8 +98,21 @@ TARGETS = (0.90, 0.95)
 
 
 # ------------------------------------------------------------------ index kinds and curves
+def kv_shared(kind: str) -> bool:
+  """Whether a kind keeps one roar index per KV head: `roar_kv`, `roar_rg_kv`, ... (a roar kind + '_kv').
+
+  That index trains on every query head of its GQA group (rows interleaved in prompt order) and serves them
+  all, as HostContext(kind="roar", roar_heads="kv") does; the plain roar kinds keep one index per query head."""
+  return kind.endswith("_kv") and parse_kind(kind)[0] == "roar"
+
+
 def parse_kind(kind: str) -> tuple[str, dict]:
-  """'ivf256' -> ('ivf', {'nlist': 256}); 'graph_ip' -> ('graph', {'metric': 'ip'})."""
+  """'ivf256' -> ('ivf', {'nlist': 256}); 'graph_ip' -> ('graph', {'metric': 'ip'}); 'roar_kv' -> ('roar', {})."""
+  if kind.endswith("_kv"):
+    base, params = parse_kind(kind[:-3])
+    if base != "roar":
+      raise ValueError(f"unknown kind {kind!r}: only roar kinds take _kv (one index per KV head)")
+    return base, params
   if kind in ("flat", "graph", "roar"):
     return kind, {}
   if kind == "graph_ip":
@@ -109,7 +124,8 @@ def parse_kind(kind: str) -> tuple[str, dict]:
   m = re.fullmatch(r"ivf(\d*)", kind)
   if m:
     return "ivf", ({"nlist": int(m.group(1))} if m.group(1) else {})
-  raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip | roar_rg")
+  raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip | roar_rg"
+                   " (roar kinds + _kv: one index per KV head)")
 
 
 def efforts_for(base: str, index, *, k: int, efs, nprobe_fracs) -> list:
@@ -392,23 +408,31 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
     truth_kk = exact_topk_np(kk, keys, k_top)
     truth_dec = {h: exact_topk_np(dec[h], keys, k_top) for h in heads}
     train_cache = {}
+    def head_train(h):  # one exact top-k per query head, shared by every roar variant
+      if h not in train_cache:
+        tq = q[layer, h, 0:n:stride].astype(np.float32)
+        train_cache[h] = (tq, exact_topk_np(tq, keys, train_topk))
+      return train_cache[h]
+
     for kind in kinds:
       base, params = parse_kind(kind)
-      per_head = base == "roar"
+      per_head = base == "roar" and not kv_shared(kind)
       for h in (heads if per_head else [None]):
         train = {}
         extra = {}
         if per_head:
-          if h not in train_cache:  # one exact top-k per head, shared by every roar variant
-            tq = q[layer, h, 0:n:stride].astype(np.float32)
-            train_cache[h] = (tq, exact_topk_np(tq, keys, train_topk))
-          tq, tk = train_cache[h]
+          tq, tk = head_train(h)
           train = {"train_queries": tq, "train_topk": tk}
           extra = pivot_stats(tk, n_idx)
           extra["top_pivot_pos"] += lo
+        elif base == "roar":  # one index for the group: its heads' rows interleaved, row m*G + j = head j's m-th
+          parts = [head_train(x) for x in heads]
+          train = {name: np.stack([p[i] for p in parts], axis=1).reshape(-1, parts[0][i].shape[1])
+                   for i, name in enumerate(("train_queries", "train_topk"))}
         t0 = time.perf_counter()
         index = hi.build_index(keys, kind=base, seed=seed, threads=threads, **train, **params)
         build_s = time.perf_counter() - t0
+        extra["index_bytes"] = int(index._c.nbytes)  # the index structure, not its keys
         qs = {"Q->K": np.concatenate([dec[x] for x in (heads if h is None else [h])]), "K->K": kk}
         tr = {"Q->K": np.concatenate([truth_dec[x] for x in (heads if h is None else [h])]), "K->K": truth_kk}
         for r in curve_rows(index, base, qs, tr, n_idx, k=k_top, efs=efs, nprobe_fracs=nprobe_fracs,
@@ -500,6 +524,46 @@ def equal_scan_markdown(curves, kinds, fracs=(0.05, 0.10, 0.20)) -> str:
         vals = [recall_at(pts, f) if pts else None for f in fracs]
         cells.append(" / ".join("-" if v is None else f"{v:.2f}" for v in vals))
       text.append(f"| {mode} | {layer} | " + " | ".join(cells) + " |")
+  return "\n".join(text) + "\n"
+
+
+BUILD_MARK = "**Build cost per layer**"
+REAL_FRACS = (0.03, 0.05, 0.10)  # equal-scan columns of a real-vector study
+
+
+def build_cost(rows):
+  """Per (layer, kind): indexes built, build seconds (sum and mean per index), index MB (sum), from per-head rows."""
+  seen = {}
+  for r in rows:  # a row per (index, mode, effort): one entry per index
+    seen.setdefault((r["layer"], r["kind"], r["kv_head"], r["q_head"]), (r["build_s"], r.get("index_bytes", 0)))
+  out = {}
+  for (layer, kind, _, _), (b, nb) in seen.items():
+    e = out.setdefault((layer, kind), {"layer": layer, "kind": kind, "indexes": 0, "build_s": 0.0, "index_mb": 0.0})
+    e["indexes"] += 1
+    e["build_s"] += b
+    e["index_mb"] += nb / 2**20
+  res = list(out.values())
+  for e in res:
+    e["build_s_per_index"] = round(e["build_s"] / e["indexes"], 2)
+    e["build_s"], e["index_mb"] = round(e["build_s"], 2), round(e["index_mb"], 2)
+  return res
+
+
+def build_markdown(rows, kinds, threads) -> str:
+  """Table: rows = layers, columns = kinds, cells 'build s per layer (indexes x s each), index MB per layer'."""
+  cost = build_cost(rows)
+  present = [k for k in kinds if k != "flat" and any(e["kind"] == k for e in cost)]
+  layers = list(dict.fromkeys(e["layer"] for e in cost))
+  text = [f"{BUILD_MARK} (threads={threads}): build seconds for all the layer's indexes (indexes × mean s each); "
+          "index structure MB (keys not counted, they are shared)\n", "| layer | " + " | ".join(present) + " |",
+          "|---|" + "---|" * len(present)]
+  for layer in layers:
+    cells = []
+    for kind in present:
+      e = next((e for e in cost if e["layer"] == layer and e["kind"] == kind), None)
+      cells.append("" if e is None else f"{e['build_s']:.1f} s ({e['indexes']} × {e['build_s_per_index']:.2f}), "
+                   f"{e['index_mb']:.1f} MB")
+    text.append(f"| {layer} | " + " | ".join(cells) + " |")
   return "\n".join(text) + "\n"
 
 
@@ -639,12 +703,16 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
       f"[{sinks}, {n - window}) = {n_idx} keys (float16); Q->K queries: the {decode_steps} decode-step "
       f"queries of every query head; K->K: {kk_queries} indexed keys per KV head. roar: training queries = "
       f"prompt queries with stride {train_stride(n, train_queries)}, exact top-{train_topk} over the indexed "
-      f"keys (no causal mask), one index per query head. recall@{k_top}; scanned = distance computations / "
+      f"keys (no causal mask), one index per query head"
+      + (" (`_kv` kinds: one per KV head, trained on the group's training rows interleaved in prompt order, "
+         "searched by every query head of the group)" if any(kv_shared(x) for x in kinds) else "")
+      + f". recall@{k_top}; scanned = distance computations / "
       f"indexed keys (IVF centroids included). Study time {study_s:.0f} s for {len(layers)} layers.\n\n"
       f"Generated continuation: {json.dumps(meta['generated'])[:300]}\n\n"
-      + summary_markdown(summary, kinds) + "\n"
+      + summary_markdown(summary, kinds) + "\n" + equal_scan_markdown(curves, kinds, REAL_FRACS) + "\n"
       + ("Pivot concentration (roar training queries' nearest indexed key):\n\n"
          + "\n".join(f"- {s}" for s in piv_lines) + "\n" if piv_lines else "")
+      + "\n" + build_markdown(rows, kinds, threads)
       + "\nRows below: curves, mean over the heads of each layer (layer 'all' = mean over layers).\n")
   if not name:
     name = f"recall_{re.sub(r'[^a-z0-9]+', '', model_name.lower())}_{n // 1024}k"
@@ -652,6 +720,7 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
   doc["summary"] = summary
   doc["per_head_rows"] = rows
   doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {"study_s": round(study_s, 1)}
+  doc["build"] = build_cost(rows)
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
   (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
   if make_plot:
@@ -672,12 +741,14 @@ def rerender(path, *, make_plot=True):
   doc["summary"] = summarize(curves, kinds)
   notes = doc.get("notes", "")
   head, sep, _ = notes.partition("**Q->K**")
-  tail = notes[notes.find("Pivot concentration"):] if "Pivot concentration" in notes else (
-      notes[notes.find("\nRows below"):])
+  tail = next(notes[notes.find(mark):] for mark in ("Pivot concentration", BUILD_MARK, "\nRows below")
+              if mark in notes)
   if sep:
     tables = summary_markdown(doc["summary"], kinds) + "\n"
     if "kvjax_rows" in doc:
       tables += equal_scan_markdown(curves, kinds)
+    elif "**Recall@100 at equal scanned fraction**" in notes:
+      tables += equal_scan_markdown(curves, kinds, REAL_FRACS) + "\n"
     doc["notes"] = notes = head + tables + tail
   path.write_text(json.dumps(doc, indent=1) + "\n")
   header = f"# {path.stem}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date",
