@@ -189,6 +189,7 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
 
     host = host_index.HostContext.load(path / manifest["host"], expect_meta=identity)
     state = policy.attach_host(model.cfg, state, host)
+    policy.reserve_decode_room(model.cfg, host, int(manifest["capacity"]))  # not saved: room, not data
   return PrefilledContext(
       model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"], policy=policy,
       state=state, prompt_lengths=list(manifest["prompt_lengths"]), capacity=int(manifest["capacity"]),

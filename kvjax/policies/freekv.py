@@ -365,6 +365,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     dense_ids = self.dense_layer_ids(cfg)
     host_len = np.maximum(lengths.astype(np.int64) - W - S, 0)
     num_pages = state.kmax.shape[3]
+    self.reserve_decode_room(cfg, context, state.dense.capacity)
     kmin, kmax = [], []
     for layer in range(cfg.num_layers):
       if layer in dense_ids:

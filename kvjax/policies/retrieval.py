@@ -212,12 +212,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     dense_ids = self.dense_layer_ids(cfg)
     M = state.train_q.shape[3]
     stride = max(1, math.ceil(state.dense.capacity / M))
+    self.reserve_decode_room(cfg, context, state.dense.capacity)
     for layer in range(cfg.num_layers):
       if layer in dense_ids:
         continue
       for b, n in enumerate(lengths):
-        # Room for every token the decode can evict, so no step pays a reallocation.
-        context.store.reserve(b, layer, max(0, state.dense.capacity - S - W))
         end = int(n) - W
         if end <= S:
           continue  # the whole prompt fits on the device
