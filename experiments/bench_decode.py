@@ -40,6 +40,7 @@ POLICIES = {
     "quest": ("quest", {}),
     "retrieval": ("retrieval", {}),
     "retrieval_spec": ("retrieval", {"speculative": True}),
+    "retrieval_step": ("retrieval", {"bridge": "per_step"}),
     "freekv": ("freekv", {}),
 }
 

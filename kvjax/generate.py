@@ -317,7 +317,7 @@ def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logi
         model.params, rope, jnp.asarray(next_tokens), jnp.asarray(positions), state, sub,
         cfg=cfg, policy=attention, sampling=sampling)
     next_tokens = np.asarray(out)  # waits for the step
-    attention.check(state)
+    state = attention.after_step(cfg, state)
     step_seconds.append(time.perf_counter() - t0)
     if return_logits:
       step_logits.append(np.asarray(logits))

@@ -29,7 +29,7 @@ release) run on each device's slice of the state in turn (`split_state` / `join_
 per-device config; `stats` sums integer counters over devices and averages the rest (rates,
 seconds), with the per-device dicts under "devices".
 
-Not done: saving or loading a sharded context (kvjax.context_cache refuses; decode refuses a
+Not done: retrieval's bridge="per_step" (its between-step host work is not split per device); saving or loading a sharded context (kvjax.context_cache refuses; decode refuses a
 context prefilled on other devices); running the per-device hooks (index builds) in parallel;
 a vocabulary-sharded embedding lookup; meshes across hosts.
 """
@@ -192,6 +192,11 @@ class ShardedPolicy(AttentionPolicy):
   inner: AttentionPolicy
   mesh: Mesh
   name: str = "sharded"
+
+  def __post_init__(self):
+    if getattr(self.inner, "bridge", None) == "per_step":
+      raise ValueError("retrieval bridge='per_step' is not supported over several devices yet; "
+                       "use bridge='per_layer' (the default)")
 
   @property
   def devices(self) -> int:

@@ -82,6 +82,12 @@ class AttentionPolicy(abc.ABC):
   def check(self, state: Any) -> None:
     """Raises any error the host side recorded during the last step."""
 
+  def after_step(self, cfg: ModelConfig, state: Any) -> Any:
+    """Runs between decode steps, outside jit: checks the step and returns the state for the
+    next one (a policy may do host work here, e.g. retrieval's per_step bridge)."""
+    self.check(state)
+    return state
+
   def host_context(self, state: Any):
     """The host_index.HostContext behind `state`, None for device-only policies."""
     return None

@@ -17,6 +17,12 @@ Decode, per retrieval layer and step: the token leaving the window (position p â
 read from its ring slot before the new token overwrites it and is handed to the single host
 callback of the layer, which inserts it into the store and index and then searches and
 attends on the host; nothing is lost as generation outruns the window.
+
+`bridge="per_step"` takes the host out of the jitted step (kvjax.prefetch_runtime): the step
+attends the ring plus a device buffer of keys and values the host retrieved with the previous
+step's queries, and exports each layer's query and evicted token; between steps the host stores
+and searches, and fills the buffer for the next step. One host exchange per step instead of one
+callback per layer (each costs 0.4-0.6 ms on the H200 however little the host does).
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import host_runtime
+from kvjax import host_runtime, prefetch_runtime
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend
 from models.config import ModelConfig
 
 INDEX_KINDS = ("roar", "graph", "ivf", "flat")
+BRIDGES = ("per_layer", "per_step")
 
 
 @flax.struct.dataclass
@@ -49,6 +56,16 @@ class RetrievalState:
   prompt_lengths: jax.Array  # [B] int32
   runtime_id: jax.Array  # [] int32: key of the HostRuntime in kvjax.host_runtime
   status: jax.Array  # [] int32: worst host callback status so far (0 = ok)
+  # bridge="per_step" only (leading axis 0 otherwise): the host-retrieved rows for this step and
+  # what the step hands back to the host.
+  buf_k: jax.Array  # [L, B, Hq, slots, D] rows retrieved with the previous step's queries
+  buf_v: jax.Array  # [L, B, Hq, slots, D]
+  buf_valid: jax.Array  # [L, B, Hq, slots] bool
+  step_q: jax.Array  # [L, B, Hq, D] float32: this step's queries
+  step_evicted_k: jax.Array  # [L, B, Hkv, D]: the token leaving each layer's window this step
+  step_evicted_v: jax.Array  # [L, B, Hkv, D]
+  step_evicted_q: jax.Array  # [L, B, Hq, D]: its own query
+  step_evicted_pos: jax.Array  # [L, B] int32: its position, -1 where none left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +84,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     to the previous step falls below `tau` are searched again synchronously (correction).
   tau: correction threshold in [0, 1]; 1.0 corrects every group (= the non-speculative path).
   implementation: device kernel, "auto" | "pallas" | "xla".
+  bridge: "per_layer" (one host callback per retrieval layer inside the step: exact current-query
+    search, or `speculative`) or "per_step" (one host exchange between steps: every head uses
+    the previous step's selection, no correction; see kvjax.prefetch_runtime).
+  tail_slots: per_step only: buffer rows for stored tokens the background has not indexed yet.
+  roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
+    group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
+    recall on Gemma-3 32K; host_index/NOTES_roar.md).
   """
 
   index: str = "roar"
@@ -80,6 +104,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   speculative: bool = False
   tau: float = 0.8
   implementation: str = "auto"
+  bridge: str = "per_layer"
+  tail_slots: int = 8
+  roar_heads: str = "query"
   name: str = "retrieval"
   decode_options = ("topk", "ef", "speculative", "tau", "implementation")
 
@@ -95,12 +122,25 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"tau={self.tau} must be in [0, 1]")
     if self.ef is not None and self.ef < 1:
       raise ValueError(f"ef={self.ef} must be >= 1")
+    if self.bridge not in BRIDGES:
+      raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
+    if self.bridge == "per_step" and self.speculative:
+      raise ValueError("speculative=True applies to bridge='per_layer'; bridge='per_step' always reuses "
+                       "the previous step's selection")
+    if self.tail_slots < 1:
+      raise ValueError(f"tail_slots={self.tail_slots} must be >= 1")
+    if self.roar_heads not in ("query", "kv"):
+      raise ValueError(f"roar_heads={self.roar_heads!r}; expected 'query' or 'kv'")
+    if self.roar_heads == "kv" and self.index != "roar":
+      raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     spec = f", speculative tau={self.tau}" if self.speculative else ""
-    return (f"retrieval(index={self.index}, device: sinks {self.sinks} + window {self.window}, "
+    spec += ", one host exchange per step (previous step's selection)" if self.bridge == "per_step" else ""
+    index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
+    return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
 
   # -- state -----------------------------------------------------------------------------
@@ -108,10 +148,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> RetrievalState:
     L, Hkv, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     ring = (L, batch, Hkv, self.sinks + self.window, D)
+    roar = {"roar_heads": self.roar_heads} if self.index == "roar" else {}
     context = host_index.HostContext(
-        batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index)
+        batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index, **roar)
     runtime = self.new_runtime(cfg, context)
     train = min(self.train_queries, capacity)
+    n = L if self.bridge == "per_step" else 0
+    slots = self.topk + self.tail_slots
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
         ring_q=jnp.zeros((L, batch, Hq, self.window, D), dtype),
@@ -119,7 +162,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                            v=jnp.zeros((L, batch, Hkv, capacity, D), dtype)),
         train_q=jnp.zeros((L, batch, Hq, train, D), dtype),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
-        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
+        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0),
+        buf_k=jnp.zeros((n, batch, Hq, slots, D), dtype), buf_v=jnp.zeros((n, batch, Hq, slots, D), dtype),
+        buf_valid=jnp.zeros((n, batch, Hq, slots), bool), step_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
+        step_evicted_k=jnp.zeros((n, batch, Hkv, D), dtype), step_evicted_v=jnp.zeros((n, batch, Hkv, D), dtype),
+        step_evicted_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
+        step_evicted_pos=jnp.full((n, batch), -1, jnp.int32))
 
   def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
@@ -127,8 +175,38 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def new_runtime(self, cfg: ModelConfig, context) -> host_runtime.HostRuntime:
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
-    return host_runtime.HostRuntime(context, sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef,
-                                    scale=cfg.attn_scale, speculative=self.speculative, tau=self.tau)
+    common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
+    if self.bridge == "per_step":
+      # The host is idle while the device runs a step: the background indexing may use every core.
+      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
+                                              background_threads=host_runtime.available_cores(), **common)
+    return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
+
+  def attach_host(self, cfg, state: RetrievalState, context):
+    slots = state.buf_k.shape[3]
+    if self.bridge == "per_step" and slots != self.topk + self.tail_slots:
+      raise ValueError(f"topk={self.topk}: this per_step context was prefilled with buffers of {slots} rows "
+                       f"= topk + tail_slots ({self.tail_slots}); topk cannot change at decode with per_step")
+    return super().attach_host(cfg, state, context)
+
+  def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
+    self.check(state)
+    if self.bridge != "per_step":
+      return state
+    return self._prefetch(cfg, state, state.step_q, state.step_evicted_k, state.step_evicted_v,
+                          state.step_evicted_q, state.step_evicted_pos)
+
+  def _prefetch(self, cfg, state: RetrievalState, queries, evicted_k, evicted_v, evicted_q, evicted_pos):
+    """Runs the host's per-step work (kvjax.prefetch_runtime) and puts the next step's rows on the device."""
+    dense = set(self.dense_layer_ids(cfg))
+    layers = [l for l in range(cfg.num_layers) if l not in dense]
+    runtime = self.runtime(state)
+    buf_k, buf_v, valid = runtime.prefetch_step(
+        layers, np.asarray(queries, np.float32), np.asarray(evicted_k), np.asarray(evicted_v),
+        np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
+    as_device = lambda rows: jnp.asarray(rows.view(jnp.bfloat16) if state.buf_k.dtype == jnp.bfloat16 else rows,
+                                         state.buf_k.dtype)
+    return state.replace(buf_k=as_device(buf_k), buf_v=as_device(buf_v), buf_valid=jnp.asarray(valid))
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
@@ -142,11 +220,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if q.shape[1] > 1:
       return self._prefill(cfg, layer, q, k, v, positions, state)
     slot = self.dense_slot(cfg, layer)
+    retrieve = self._retrieve if self.bridge == "per_layer" else self._retrieve_prefetched
     if not self.dense_layer_ids(cfg):
-      return self._retrieve(cfg, layer, q, k, v, positions, state)
+      return retrieve(cfg, layer, q, k, v, positions, state)
     return jax.lax.cond(slot >= 0,
                         lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
-                        lambda st: self._retrieve(cfg, layer, q, k, v, positions, st), state)
+                        lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
@@ -171,7 +250,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                 window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
     return o, state.replace(dense=dense)
 
-  def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    """Writes the new token into the ring and attends the ring on the device.
+
+    Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the evicted token's (k, v [B, Hkv, D],
+    q [B, Hq, D], pos [B], -1 where none), the state with the updated rings)."""
     S, W = self.sinks, self.window
     B = q.shape[0]
     pos = positions[:, 0]  # [B]
@@ -186,19 +269,45 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
-
-    q0 = q[:, 0]  # [B, Hq, D]
     o_dev, lse_dev = ops.partial_attention(
-        q0, ring_k, ring_v, jnp.minimum(pos + 1, S + W), layer=layer, scale=cfg.attn_scale,
+        q[:, 0], ring_k, ring_v, jnp.minimum(pos + 1, S + W), layer=layer, scale=cfg.attn_scale,
         implementation=resolve_implementation(self.implementation))
+    state = state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
+    return o_dev, lse_dev, (evicted_k, evicted_v, evicted_q, evicted_pos), state
+
+  def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    """bridge="per_step": ring + the prefetched rows + the token leaving the window, all on the device."""
+    o_dev, lse_dev, evicted, state = self._ring_step(cfg, layer, q, k, v, positions, state)
+    evicted_k, evicted_v, evicted_q, evicted_pos = evicted
+    q0 = q[:, 0]  # [B, Hq, D]
+    G = cfg.num_heads // cfg.num_kv_heads
+    # The evicted token is in neither the ring nor the host yet (the host stores it after this
+    # step): attend it here as one more row of each query head.
+    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(evicted_k, G, axis=1)[:, :, None]], axis=2)
+    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(evicted_v, G, axis=1)[:, :, None]], axis=2)
+    ev_valid = jnp.broadcast_to((evicted_pos >= 0)[:, None, None], q0.shape[:2] + (1,))
+    valid = jnp.concatenate([state.buf_valid[layer], ev_valid], axis=2)
+    o_rows, lse_rows = attend_rows(q0, rows_k, rows_v, valid, scale=cfg.attn_scale)
+    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
+    state = state.replace(
+        step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)),
+        step_evicted_k=state.step_evicted_k.at[layer].set(evicted_k),
+        step_evicted_v=state.step_evicted_v.at[layer].set(evicted_v),
+        step_evicted_q=state.step_evicted_q.at[layer].set(evicted_q.astype(jnp.float32)),
+        step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos))
+    return o[:, None], state
+
+  def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    o_dev, lse_dev, evicted, state = self._ring_step(cfg, layer, q, k, v, positions, state)
+    evicted_k, evicted_v, evicted_q, evicted_pos = evicted
+    q0 = q[:, 0]  # [B, Hq, D]
     result_shapes = (jax.ShapeDtypeStruct(q0.shape, jnp.float32), jax.ShapeDtypeStruct(q0.shape[:2], jnp.float32),
                      jax.ShapeDtypeStruct((), jnp.int32))
     o_host, lse_host, status = jax.pure_callback(
         host_runtime.decode_callback, result_shapes, state.runtime_id, layer, q0.astype(jnp.float32),
         evicted_k, evicted_v, evicted_q, evicted_pos, vmap_method="sequential")
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_host, lse_host)])
-    state = state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q, status=jnp.maximum(state.status, status))
-    return o[:, None], state
+    return o[:, None], state.replace(status=jnp.maximum(state.status, status))
 
   # -- prefill -> decode -----------------------------------------------------------------
 
@@ -235,8 +344,36 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         on_progress(layer + 1, cfg.num_layers)
     dense = DenseKVCache(k=state.dense.k[jnp.asarray(dense_ids, jnp.int32)],
                          v=state.dense.v[jnp.asarray(dense_ids, jnp.int32)])
-    return state.replace(ring_k=ring_k, ring_v=ring_v, dense=dense,
-                         train_q=state.train_q[:, :, :, :0])
+    state = state.replace(ring_k=ring_k, ring_v=ring_v, dense=dense, train_q=state.train_q[:, :, :, :0])
+    if self.bridge == "per_step":  # the first decode step's rows: selected by the last prompt token's query
+      L, B = cfg.num_layers, len(lengths)
+      last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % W, jnp.int32)  # its slot in the query ring
+      last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
+      none = jnp.full((L, B), -1, jnp.int32)
+      state = self._prefetch(cfg, state, last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
+                             none)
+    return state
+
+
+def attend_rows(
+    q,  # [B, H, D] one query per head
+    k,  # [B, H, n, D] each head's own rows
+    v,  # [B, H, n, D]
+    valid,  # [B, H, n] bool
+    *,
+    scale: float,
+):
+  """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
+  a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
+  scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+  scores = jnp.where(valid, scores, -jnp.inf)
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  weights = jnp.exp(scores - peak)  # exactly 0 where invalid
+  total = jnp.sum(weights, axis=-1)
+  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
+  return o, lse
 
 
 def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, window: int):

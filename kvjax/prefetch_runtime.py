@@ -1,0 +1,130 @@
+"""The host side of `retrieval(bridge="per_step")`: one host exchange per decode step, outside
+the jitted step, instead of one `pure_callback` per layer inside it.
+
+Why: a host callback inside a jitted program costs 0.40-0.57 ms on the H200 even when its
+body does nothing (experiments/results/bench_callback.md), and the GPU idles meanwhile; at
+32 layers that is 13-18 ms per token, more than the whole dense 8B step at 128K (10.3 ms).
+So this bridge keeps the host off the step: the device attends its ring (sinks + window)
+plus a buffer of retrieved keys and values the host prepared before the step; the step
+exports every layer's query and the token it evicted; between steps the host
+
+  1. waits for the background indexing of the previous step's evicted tokens (it ran while
+     the device computed the step that just ended),
+  2. stores the tokens evicted by the step that just ended (a copy; indexed in the background),
+  3. searches every layer's index with that step's queries, top-k per query head, all cores,
+  4. gathers the selected rows, plus every stored-but-unindexed token (so nothing is lost),
+     into [L, B, Hq, slots, D] buffers that the caller copies to the device for the next step,
+  5. starts the indexing of the new tokens on a background thread.
+
+The selection used at step t+1 was searched with the query of step t: speculative reuse with
+a one-step lag for every head and no synchronous correction (a correction would need the
+host inside the step again). `HostStats.hit_rate` measures what the lag costs: the share of
+the ids used at a step that the same step's own query would also have retrieved.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvjax.host_runtime import HostRuntime, available_cores
+
+
+class PrefetchRuntime(HostRuntime):
+  """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
+
+  tail_slots: buffer rows per query head kept for stored-but-unindexed tokens; when more are
+  pending (the background indexing fell behind) they are indexed synchronously first.
+  """
+
+  def __init__(self, context, *, tail_slots: int, **kwargs):
+    super().__init__(context, **kwargs)
+    if tail_slots < 1:
+      raise ValueError(f"tail_slots={tail_slots} must be >= 1")
+    self.tail_slots = int(tail_slots)
+    self.search_threads = available_cores()  # nothing else runs on the host during the search
+
+  @property
+  def slots(self) -> int:
+    return self.topk + self.tail_slots
+
+  def prefetch_step(
+      self,
+      layers,  # the layers served from the host (the others stay dense on the device)
+      queries,  # [L, B, Hq, D] float32: each layer's query of the step that just ended
+      evicted_k,  # [L, B, Hkv, D]: the token each layer's window evicted in that step
+      evicted_v,  # [L, B, Hkv, D]
+      evicted_q,  # [L, B, Hq, D]: that token's own query (roar links the new key through it)
+      evicted_pos,  # [L, B] int: its absolute position, -1 where none left
+  ):
+    """Steps 1-5 of the module docstring -> (k [L, B, Hq, slots, D], v, valid [L, B, Hq, slots])
+    with k and v in the store's numpy dtype (bfloat16 as uint16 bits); rows where `valid` is
+    False hold some stored token and must be masked."""
+    t0 = time.perf_counter()
+    self._wait_background(-1)
+    t1 = time.perf_counter()
+    queries = np.asarray(queries, np.float32)
+    L, B, Hq, D = queries.shape
+    for layer in layers:
+      for b in np.flatnonzero(evicted_pos[layer] >= 0):
+        added = self.context.append(int(b), layer, int(evicted_pos[layer, b]) - self.sinks,
+                                    evicted_k[layer, b][:, None], evicted_v[layer, b][:, None])
+        if added:
+          self._unindexed_queries.setdefault((int(b), layer), []).append(evicted_q[layer, b])
+        self.stats.inserted_tokens += added
+    self._index_overflow(layers, B)
+    t2 = time.perf_counter()
+    self.stats.insert_seconds += t2 - t1
+
+    store = self.context.store
+    dtype = store.buffers(0, 0)[0].dtype
+    out_k = np.zeros((L, B, Hq, self.slots, D), dtype)
+    out_v = np.zeros((L, B, Hq, self.slots, D), dtype)
+    valid = np.zeros((L, B, Hq, self.slots), bool)
+    kv_of_q = np.arange(Hq) // self.context.group
+    for layer in layers:
+      ids, scanned = self._search(layer, queries[layer], threads=self.search_threads)  # [B, Hq, k]
+      self._count_scanned(scanned)
+      self._score_reuse(layer, ids)
+      tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
+      ids = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
+      self._used_ids[layer] = ids
+      for b in range(B):
+        k, v, _ = store.buffers(b, layer)
+        rows = np.maximum(ids[b], 0)
+        out_k[layer, b] = k[kv_of_q[:, None], rows]
+        out_v[layer, b] = v[kv_of_q[:, None], rows]
+      valid[layer] = ids >= 0
+      self.stats.unindexed_attended += int(np.sum(ids[:, 0, self.topk:] >= 0))
+    t3 = time.perf_counter()
+    self.stats.attend_seconds += t3 - t2
+    self._submit_background(-1, None)
+    self.stats.callbacks += 1
+    self.stats.callback_seconds += time.perf_counter() - t0
+    return out_k, out_v, valid
+
+  def _tail_ids(self, layer: int, batch: int):
+    """Store ids [B, 1, tail_slots] (-1 padded) of each sequence's stored, unindexed tokens."""
+    tail = np.full((batch, self.tail_slots), -1, np.int64)
+    for b in range(batch):
+      done, total = self.context.indexed(b, layer), self.context.store.length(b, layer)
+      tail[b, : total - done] = np.arange(done, total)
+    return tail[:, None, :]
+
+  def _index_overflow(self, layers, batch: int) -> None:
+    """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not
+    fit the tail slots (normally never: one token per step is indexed in the background)."""
+    late = [(b, l) for l in layers for b in range(batch)
+            if self.context.store.length(b, l) - self.context.indexed(b, l) > self.tail_slots]
+    if late:
+      for pair in late:
+        q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]
+        self.context.index_stored([pair[0]], [pair[1]], queries=q)
+
+  def _submit_background(self, layer: int, search_queries) -> None:
+    """Queues the indexing of every layer's stored tokens as one job (key -1)."""
+    pairs = sorted(self._unindexed_queries)
+    to_index = [(pair, np.stack(self._unindexed_queries.pop(pair), axis=1)) for pair in pairs]  # [Hq, n, D]
+    if to_index:
+      self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, None)

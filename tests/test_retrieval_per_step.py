@@ -1,0 +1,164 @@
+"""`retrieval(bridge="per_step")`: no host callback inside the step; the host selects with the
+previous step's queries between steps (kvjax.prefetch_runtime).
+
+The host half is checked against brute force (exact top-k of the given queries, the stored
+rows gathered, evicted tokens kept); the device half (`attend_rows`) against dense masked
+attention; the whole against `full` when the budget covers the context.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import host_index
+import kvjax
+from kvjax import host_runtime
+from kvjax.policies import RetrievalAttention
+from kvjax.policies.retrieval import attend_rows
+from kvjax.prefetch_runtime import PrefetchRuntime
+from test_generate import random_prompt, tiny_model
+from test_retrieval import SMALL, run
+
+PER_STEP = dict(SMALL, bridge="per_step")
+
+
+@pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
+                                          ("graph", {})])
+def test_equals_full_when_topk_covers_the_context(index, extra):
+  model = tiny_model("llama")
+  prompts = [random_prompt(53), random_prompt(21, seed=5)]  # ragged; 24 steps > window: evictions
+  full = run(model, prompts)
+  sparse = run(model, prompts, index=index, topk=500, **PER_STEP, **extra)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.tokens == full.tokens
+  assert sparse.policy_stats["inserted_tokens"] > 0  # tokens did leave the window
+
+
+def test_equals_full_with_dense_and_local_layers():
+  model = tiny_model("gemma3")  # layer 0 is a sliding-window layer, attended densely
+  prompt = random_prompt(40, seed=3)
+  full = run(model, prompt)
+  sparse = run(model, prompt, index="flat", topk=500, **PER_STEP)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_no_host_callback_inside_the_step(monkeypatch):
+  def forbidden(*args):
+    raise AssertionError("the per_layer callback ran")
+
+  monkeypatch.setattr(host_runtime, "decode_callback", forbidden)
+  result = run(tiny_model("llama"), random_prompt(40), index="flat", topk=4, **PER_STEP)
+  assert result.policy_stats["callbacks"] == len(result.tokens[0])  # one exchange per step + one at prefill
+
+
+def test_small_topk_is_an_approximation_with_rates():
+  model = tiny_model("llama")
+  prompt = random_prompt(60, seed=4)
+  full = run(model, prompt)
+  sparse = run(model, prompt, index="flat", topk=2, **PER_STEP)
+  assert np.isfinite(sparse.logits).all()
+  assert np.abs(sparse.logits - full.logits).max() > 1e-3
+  assert 0.0 <= sparse.policy_stats["hit_rate"] <= 1.0
+
+
+def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat"):
+  """A PrefetchRuntime over one sequence and 2 layers holding `keys`/`values` [L, Hkv, n, D]."""
+  L, Hkv, n, D = keys.shape
+  context = host_index.HostContext(1, L, 2 * Hkv, Hkv, D, dtype="float32", kind=kind)
+  for layer in range(L):
+    context.append(0, layer, 0, keys[layer], values[layer])
+    context.build_layer(layer)
+  return PrefetchRuntime(context, tail_slots=tail_slots, sinks=sinks, window=8, topk=topk, ef=None, scale=D**-0.5,
+                         background_threads=1)
+
+
+def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
+  rng = np.random.default_rng(0)
+  L, Hkv, n, D, topk = 2, 2, 40, 16, 5
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=topk)
+  Hq = 2 * Hkv
+  queries = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  evicted_k, evicted_v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
+  evicted_q = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  evicted_pos = np.array([[runtime.sinks + n], [-1]])  # layer 0 evicts the token after the stored ones
+  try:
+    k, v, valid = runtime.prefetch_step([0, 1], queries, evicted_k, evicted_v, evicted_q, evicted_pos)
+    assert k.shape == (L, 1, Hq, topk + runtime.tail_slots, D) and valid.shape == k.shape[:-1]
+    for layer in range(L):
+      for h in range(Hq):
+        scores = keys[layer, h // 2] @ queries[layer, 0, h]
+        expect = set(np.argsort(-scores)[:topk])
+        got = valid[layer, 0, h]
+        assert set(np.flatnonzero(got[:topk])) == set(range(topk))
+        rows = k[layer, 0, h, :topk]
+        found = {int(np.flatnonzero((keys[layer, h // 2] == row).all(axis=1))[0]) for row in rows}
+        assert found == expect  # the exact top-k's own rows
+        np.testing.assert_array_equal(v[layer, 0, h, :topk], values[layer, h // 2, sorted(found, key=lambda i: -scores[i])])
+      tail_valid = valid[layer, 0, :, topk:]
+      if layer == 0:  # the evicted token is stored, not yet indexed: attended through the tail
+        assert tail_valid[:, 0].all() and not tail_valid[:, 1:].any()
+        np.testing.assert_array_equal(k[layer, 0, :, topk], np.repeat(evicted_k[0, 0], 2, axis=0))
+      else:
+        assert not tail_valid.any()
+    runtime._wait_background(-1)
+    assert runtime.context.indexed(0, 0) == n + 1  # indexed by the background job
+  finally:
+    runtime.close()
+
+
+def test_attend_rows_matches_dense_masked_attention():
+  rng = np.random.default_rng(1)
+  B, H, n, D = 2, 3, 7, 16
+  q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((B, H, D), (B, H, n, D), (B, H, n, D)))
+  valid = rng.random((B, H, n)) < 0.6
+  valid[0, 0] = False  # one head with nothing: o = 0, lse = -inf
+  o, lse = attend_rows(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), scale=0.3)
+  for b in range(B):
+    for h in range(H):
+      s = 0.3 * k[b, h] @ q[b, h]
+      if not valid[b, h].any():
+        assert np.all(np.asarray(o[b, h]) == 0) and np.asarray(lse[b, h]) == -np.inf
+        continue
+      s = np.where(valid[b, h], s, -np.inf)
+      w = np.exp(s - s.max())
+      np.testing.assert_allclose(o[b, h], (w / w.sum()) @ v[b, h], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
+
+
+def test_saved_context_decodes_token_for_token(tmp_path):
+  model = tiny_model("llama")
+  prompt = random_prompt(50, seed=7)
+  options = dict(index="roar", topk=6, **PER_STEP)
+  ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
+                      prefill_chunk=16)
+  kvjax.save_context(ctx, tmp_path / "c")
+  direct = kvjax.decode(model, ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
+  loaded = kvjax.decode(model, kvjax.load_context(tmp_path / "c", model), max_new_tokens=STEPS_SAVED,
+                        return_logits=True)
+  assert loaded.tokens == direct.tokens
+  np.testing.assert_allclose(loaded.logits, direct.logits, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="topk cannot change"):
+    kvjax.load_context(tmp_path / "c", model, policy_options={"topk": 7})
+
+
+STEPS_SAVED = 12
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bridge="async"), "bridge="),
+    (dict(bridge="per_step", speculative=True), "speculative"),
+    (dict(bridge="per_step", tail_slots=0), "tail_slots=0"),
+    (dict(roar_heads="group"), "roar_heads="),
+    (dict(index="flat", roar_heads="kv"), "roar_heads='kv'"),
+])
+def test_bad_options(options, message):
+  with pytest.raises(ValueError, match=message):
+    RetrievalAttention(**options)
+
+
+def test_refused_over_several_devices():
+  from kvjax.sharding import ShardedPolicy, head_mesh
+
+  with pytest.raises(ValueError, match="per_step"):
+    ShardedPolicy(inner=RetrievalAttention(bridge="per_step"), mesh=head_mesh(1))
