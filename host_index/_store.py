@@ -258,3 +258,44 @@ class KVStore:
         _core.gather_pages(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
                            self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
         return outs[0], outs[1]
+
+    def gather_rows(self, seq: int, layer: int, kv_heads, ids, *, out_k=None, out_v=None,
+                    threads=None):
+        """Copies stored K/V rows by store index into [..., D] buffers, in one C call.
+
+        Args:
+            kv_heads: int array, the KV head of each row (broadcast against ids).
+            ids: int array [...], store indices; -1 = none (the row is zero-filled).
+            out_k, out_v: optional C-contiguous [*ids.shape, D] arrays of the storage
+                dtype (uint16 for bfloat16), e.g. a slice of a larger step buffer.
+
+        Returns:
+            (out_k, out_v) [*ids.shape, D] in the storage dtype.
+
+        Raises:
+            ValueError: an id outside [0, stored length) other than -1, or a head
+                outside [0, num_kv_heads); nothing is copied.
+        """
+        self._check(seq, layer)
+        i = np.ascontiguousarray(np.asarray(ids, np.int64))
+        h = np.ascontiguousarray(np.broadcast_to(np.asarray(kv_heads, np.int64), i.shape))
+        K, V, n = self.buffers(seq, layer)
+        if i.size and (i.min() < -1 or i.max() >= n):
+            raise ValueError(f"ids must lie in [0, {n}) (or be -1) for {n} stored tokens; "
+                             f"got [{i.min()}, {i.max()}]")
+        if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
+            raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
+        shape = i.shape + (self.head_dim,)
+        dt = _dtypes.STORAGE[self.code]
+        outs = []
+        for name, o in (("out_k", out_k), ("out_v", out_v)):
+            if o is None:
+                o = np.empty(shape, dt)
+            elif not (isinstance(o, np.ndarray) and o.shape == shape and o.dtype.itemsize == dt.itemsize
+                      and o.flags.c_contiguous and o.flags.writeable):
+                raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}")
+            outs.append(o)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        _core.gather_rows(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
+                          h, i, i.size, outs[0], outs[1], nthreads)
+        return outs[0], outs[1]

@@ -162,3 +162,31 @@ def test_reserve_keeps_appends_in_place():
   assert store.buffers(0, 0)[0] is keys  # never reallocated
   with pytest.raises(ValueError, match="n="):
     store.reserve(0, 0, -1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gather_rows_matches_numpy(dtype):
+    st = hi.KVStore(1, 1, H, D, dtype=dtype)
+    k, v = kv(13, seed=3)
+    st.append(0, 0, 0, k, v)
+    K, V, n = st.buffers(0, 0)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(-1, n, size=(5, 7))
+    heads = rng.integers(0, H, size=(5, 1))  # broadcast over each row
+    gk, gv = st.gather_rows(0, 0, heads, ids)
+    want_k = np.where((ids >= 0)[..., None], K[heads, np.maximum(ids, 0)], 0)
+    want_v = np.where((ids >= 0)[..., None], V[heads, np.maximum(ids, 0)], 0)
+    np.testing.assert_array_equal(gk, want_k)
+    np.testing.assert_array_equal(gv, want_v)
+    out_k, out_v = np.full((2, 5, 7, D), 7, K.dtype), np.full((2, 5, 7, D), 7, V.dtype)
+    st.gather_rows(0, 0, heads, ids, out_k=out_k[1], out_v=out_v[1])  # a slice of a larger buffer
+    np.testing.assert_array_equal(out_k[1], want_k)
+    assert (out_k[0] == 7).all()
+    with pytest.raises(ValueError, match="ids must lie"):
+        st.gather_rows(0, 0, 0, [n])  # past the stored length
+    with pytest.raises(ValueError, match="ids must lie"):
+        st.gather_rows(0, 0, 0, [-2])
+    with pytest.raises(ValueError, match="kv_heads"):
+        st.gather_rows(0, 0, H, [0])
+    with pytest.raises(ValueError, match="out_k"):
+        st.gather_rows(0, 0, 0, [0], out_k=np.empty((1, D), np.float64))

@@ -162,3 +162,24 @@ def test_refused_over_several_devices():
 
   with pytest.raises(ValueError, match="per_step"):
     ShardedPolicy(inner=RetrievalAttention(bridge="per_step"), mesh=head_mesh(1))
+
+
+def test_reused_step_buffers_hold_the_latest_selection():
+  rng = np.random.default_rng(2)
+  keys, values = rng.standard_normal((2, 2, 1, 30, 8), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=3)
+  runtime.reuse_buffers = True  # as on a GPU
+  none = np.full((2, 1), -1)
+  ek = np.zeros((2, 1, 1, 8), np.float32)
+  eq = np.zeros((2, 1, 2, 8), np.float32)
+  try:
+    first = runtime.prefetch_step([0, 1], rng.standard_normal((2, 1, 2, 8), dtype=np.float32), ek, ek, eq, none)
+    queries = rng.standard_normal((2, 1, 2, 8), dtype=np.float32)
+    second = runtime.prefetch_step([0, 1], queries, ek, ek, eq, none)
+    assert second[0] is first[0] and second[1] is first[1]
+    for layer in range(2):
+      for h in range(2):
+        best = np.argsort(-(keys[layer, 0] @ queries[layer, 0, h]))[:3]
+        np.testing.assert_array_equal(second[0][layer, 0, h, :3], keys[layer, 0, best])
+  finally:
+    runtime.close()

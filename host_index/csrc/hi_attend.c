@@ -226,3 +226,26 @@ int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t ca
   }
   return HI_OK;
 }
+
+int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,
+                   int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
+                   void *out_v, int threads) {
+  const size_t row = (size_t)dim * hi_itemsize(dtype);
+  if (len > cap) return HI_EINVAL;
+  for (int64_t t = 0; t < T; t++)
+    if (heads[t] < 0 || heads[t] >= Hkv || ids[t] < -1 || ids[t] >= len) return HI_EINVAL;
+#pragma omp parallel for schedule(static) num_threads(hi_team(threads, T, T * (int64_t)row / 4))
+  for (int64_t t = 0; t < T; t++) {
+    char *dk = (char *)out_k + (size_t)t * row;
+    char *dv = (char *)out_v + (size_t)t * row;
+    if (ids[t] < 0) {
+      memset(dk, 0, row);
+      memset(dv, 0, row);
+      continue;
+    }
+    const size_t src = ((size_t)heads[t] * (size_t)cap + (size_t)ids[t]) * row;
+    memcpy(dk, (const char *)k + src, row);
+    memcpy(dv, (const char *)v + src, row);
+  }
+  return HI_OK;
+}

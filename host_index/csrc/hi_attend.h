@@ -49,6 +49,13 @@ int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t ca
                     const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
                     int threads);
 
+/* out_k[t], out_v[t] ([dim] each, t < T) = row ids[t] of head heads[t] of k / v
+ * ([Hkv, cap, dim] in one dtype); rows with ids[t] == -1 are zero-filled. Any
+ * other id outside [0, len) or head outside [0, Hkv) is HI_EINVAL (nothing copied). */
+int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,
+                   int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
+                   void *out_v, int threads);
+
 /* Threads for `tasks` independent tasks of about `work` scalar operations in
  * all: at most the requested count (hi_threads), the task count, and one per
  * HI_MIN_WORK operations, so small calls skip the cost of waking a team. */

@@ -815,6 +815,39 @@ static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* gather_rows(k, v, dtype, Hkv, cap, len, dim, heads, ids, T, out_k, out_v, threads) */
+static PyObject *py_gather_rows(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ko, *vo, *ho, *io, *oko, *ovo;
+  int dtype, Hkv, dim, threads;
+  Py_ssize_t cap, len, T;
+  if (!PyArg_ParseTuple(args, "OOiinniOOnOOi", &ko, &vo, &dtype, &Hkv, &cap, &len, &dim, &ho, &io,
+                        &T, &oko, &ovo, &threads) ||
+      check_dtype(dtype) < 0)
+    return NULL;
+  if (Hkv < 1 || cap < 0 || len < 0 || len > cap || dim < 1 || T < 0) {
+    PyErr_SetString(PyExc_ValueError, "gather_rows: bad sizes");
+    return NULL;
+  }
+  const Py_ssize_t isz = (Py_ssize_t)hi_itemsize(dtype);
+  Py_buffer b[6];
+  PyObject *objs[6] = {ko, vo, ho, io, oko, ovo};
+  const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, T * 8, T * 8,
+                              T * dim * isz, T * dim * isz};
+  int nb = 0;
+  for (; nb < 6; nb++)
+    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], "gather_rows") < 0) break;
+  int err = HI_OK;
+  if (nb == 6) {
+    Py_BEGIN_ALLOW_THREADS err = hi_gather_rows(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
+                                                b[2].buf, b[3].buf, T, b[4].buf, b[5].buf, threads);
+    Py_END_ALLOW_THREADS
+  }
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < 6 || raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *mod, PyObject *unused) {
   (void)mod;
   (void)unused;
@@ -830,6 +863,7 @@ static PyMethodDef module_methods[] = {
     {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
     {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
+    {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {

@@ -178,8 +178,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
-      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
-                                              background_threads=host_runtime.available_cores(), **common)
+      runtime = prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
+                                                 background_threads=host_runtime.available_cores(), **common)
+      runtime.reuse_buffers = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
+      return runtime
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
