@@ -466,6 +466,52 @@ class HostContext:
                      scanned, nthreads)
         return ids, scanned
 
+    def search_layers(self, layers, queries, *, k: int, ef: int | None = None,
+                      threads: int | None = None):
+        """`search` of several layers for every sequence, in one C call.
+
+        One team of threads takes all len(layers) * B * Hq searches at once, so
+        a step's searches keep every core busy (per-layer calls of a few heads
+        leave most of a 16-core team idle and pay its wake-up per layer).
+
+        Args:
+            layers: [T] distinct layer ids.
+            queries: [T, B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite;
+                B = num_seqs.
+            k, ef, threads: as in `search`.
+
+        Returns:
+            ids [T, B, Hq, k] int64 (best first, -1 padded), scanned [T, B, Hq] int64;
+            row (t, b) equals `search(layers[t], queries[t])[.][b]`.
+        """
+        layers = [int(x) for x in _dtypes.as_ids(np.atleast_1d(layers), "layers", ndim=1)] if len(layers) else []
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layers {layers} must be distinct")
+        qshape = np.shape(queries)
+        want = (len(layers), self.num_seqs, self.num_q_heads, self.head_dim)
+        if qshape != want:
+            raise ValueError(f"queries {qshape} must be {list(want)} = [layers, seqs, q heads, head_dim]")
+        T, B = want[:2]
+        if T == 0:
+            return np.empty((0, B, self.num_q_heads, k), np.int64), np.empty((0, B, self.num_q_heads), np.int64)
+        q = _dtypes.as_f32(np.reshape(queries, (T * B, self.num_q_heads, self.head_dim)), "queries", ndim=3,
+                           dim=self.head_dim)
+        k = _dtypes.positive_int(k, "k", allow_zero=True)
+        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        pairs = [(l, s) for l in layers for s in range(B)]
+        for l, s in pairs:
+            self.store._check(s, l)
+        bufs = [self.store.buffers(s, l) for l, s in pairs]
+        ixs = tuple(ix._c for l, s in pairs for ix in self._ix[s][l])
+        ids = np.empty((T * B, self.num_q_heads, k), np.int64)
+        scanned = np.empty((T * B, self.num_q_heads), np.int64)
+        _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
+                     tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
+                     self.head_dim, q, T * B, self.num_q_heads, self.per_q_head, k, ef, None, ids,
+                     scanned, nthreads)
+        return ids.reshape(T, B, self.num_q_heads, k), scanned.reshape(T, B, self.num_q_heads)
+
     def attend_ids(self, layer: int, queries, ids, *, scale: float | None = None, seqs=None,
                    threads: int | None = None):
         """Host partial attention of one layer over given store ids, in one C call.

@@ -83,9 +83,10 @@ class PrefetchRuntime(HostRuntime):
     out_k, out_v = self._step_buffers((L, B, Hq, self.slots, D), dtype)
     valid = np.zeros((L, B, Hq, self.slots), bool)
     kv_of_q = np.arange(Hq) // self.context.group
-    for layer in layers:
-      ids, scanned = self._search(layer, queries[layer], threads=self.search_threads)  # [B, Hq, k]
-      self._count_scanned(scanned)
+    found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,
+                                                threads=self.search_threads)  # [T, B, Hq, k]
+    self._count_scanned(scanned)
+    for layer, ids in zip(layers, found):
       self._score_reuse(layer, ids)
       tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
       ids = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]

@@ -147,6 +147,23 @@ def test_search_equals_per_index_search(kind):
         np.testing.assert_array_equal(again[1], scanned)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_search_layers_equals_search_per_layer(kind):
+    ctx = make(kind)
+    q = np.stack([queries(seed=3), queries(seed=4)])  # [T=2, S, HQ, D]
+    ids, scanned = ctx.search_layers([1, 0], q, k=10, ef=40)
+    assert ids.shape == (2, S, HQ, 10) and scanned.shape == (2, S, HQ)
+    for t, layer in enumerate([1, 0]):
+        want_ids, want_scanned = ctx.search(layer, q[t], k=10, ef=40)
+        np.testing.assert_array_equal(ids[t], want_ids)
+        np.testing.assert_array_equal(scanned[t], want_scanned)
+    with pytest.raises(ValueError, match="distinct"):
+        ctx.search_layers([0, 0], q, k=10)
+    with pytest.raises(ValueError, match="queries"):
+        ctx.search_layers([0], q, k=10)
+    assert ctx.search_layers([], q[:0], k=3)[0].shape == (0, S, HQ, 3)
+
+
 @pytest.mark.parametrize("kind", ["graph", "roar"])
 def test_search_masked_heads(kind):
     ctx = make(kind)
