@@ -22,6 +22,8 @@ POLICY_FLAGS = {
     "speculative": "speculative",
     "tau": "tau",
     "dense_layers": "dense_layers",
+    "bridge": "bridge",
+    "roar_heads": "roar_heads",
 }
 
 
@@ -48,6 +50,10 @@ def define_flags() -> None:
   flags.DEFINE_boolean("speculative", None, "Reuse the previous step's selection, correct drifted heads.")
   flags.DEFINE_float("tau", None, "Correction threshold on the group-mean query cosine similarity.")
   flags.DEFINE_list("dense_layers", None, "Layers kept dense under a sparse policy.")
+  flags.DEFINE_enum("bridge", None, ["per_layer", "per_step"],
+                    "Retrieval host bridge: a callback per layer inside the step, or one host exchange "
+                    "between steps (previous step's selection, no host inside the step).")
+  flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "
                       "float32, bfloat16 or float16.")
