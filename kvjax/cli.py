@@ -24,6 +24,7 @@ POLICY_FLAGS = {
     "dense_layers": "dense_layers",
     "bridge": "bridge",
     "roar_heads": "roar_heads",
+    "lag": "lag",
 }
 
 
@@ -53,6 +54,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("bridge", None, ["per_layer", "per_step"],
                     "Retrieval host bridge: a callback per layer inside the step, or one host exchange "
                     "between steps (previous step's selection, no host inside the step).")
+  flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
+                       "step t - lag (1: host works between steps; 2: while the device computes).")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

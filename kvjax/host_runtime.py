@@ -70,6 +70,7 @@ class HostStats:
   index_seconds: float = 0.0  # background: indexing stored tokens
   background_seconds: float = 0.0  # speculative: search time in the background thread
   callback_seconds: float = 0.0
+  step_wait_seconds: float = 0.0  # bridge="per_step", lag 2: waiting for the background prefetch
   inserted_tokens: int = 0
   unindexed_attended: int = 0  # stored-not-yet-indexed tokens attended exactly, summed over layers
   scanned: int = 0

@@ -20,10 +20,17 @@ The selection used at step t+1 was searched with the query of step t: speculativ
 a one-step lag for every head and no synchronous correction (a correction would need the
 host inside the step again). `HostStats.hit_rate` measures what the lag costs: the share of
 the ids used at a step that the same step's own query would also have retrieved.
+
+With lag 1 steps 1-5 sit between two device steps, on the critical path. With lag 2 they run on
+a background thread while the device computes the next step (`start_prefetch`): the rows used
+at step t+1 were searched with the query of step t-1, and the critical path only waits for
+the job started one step earlier (`take_prefetched`, counted in `step_wait_seconds`). The
+tokens evicted in the last `lag` steps are not in the host rows yet; the device keeps them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import numpy as np
@@ -46,6 +53,29 @@ class PrefetchRuntime(HostRuntime):
     self.search_threads = available_cores()  # nothing else runs on the host during the search
     self.reuse_buffers = False  # see _step_buffers
     self._buffers = None
+    self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
+    self._next = None  # lag 2: the future of the next step's rows
+
+  def close(self) -> None:
+    self._prefetcher.shutdown(wait=True, cancel_futures=True)
+    super().close()
+
+  def start_prefetch(self, to_device, *step_args) -> None:
+    """Lag 2: runs `to_device(*prefetch_step(*step_args))` on the prefetch thread; the result
+    serves the step after next (see the module docstring)."""
+    if self._next is not None:
+      raise RuntimeError("a prefetch is already pending: take it first")
+    self._next = self._prefetcher.submit(lambda: to_device(*self.prefetch_step(*step_args)))
+
+  def take_prefetched(self):
+    """The pending prefetch's result (waited for), or None when none was started."""
+    pending, self._next = self._next, None
+    if pending is None:
+      return None
+    t0 = time.perf_counter()
+    result = pending.result()  # re-raises a failure of the job, outside any jitted program
+    self.stats.step_wait_seconds += time.perf_counter() - t0
+    return result
 
   @property
   def slots(self) -> int:
@@ -107,8 +137,8 @@ class PrefetchRuntime(HostRuntime):
     """The [L, B, Hq, slots, D] K and V buffers of a step; dense layers' rows stay zero.
 
     With `reuse_buffers` the same two arrays serve every step: the caller's copy to the device
-    of step t's buffers completes before step t+1 runs, and step t+1 ends before this runs
-    again. Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box);
+    of one step's buffers must be complete before the next `prefetch_step` (lag 1: the step
+    that reads it has ended; lag 2: the policy's `to_device` blocks until the copy is ready). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box);
     the caller must not reuse them where the device may alias host memory (JAX on the CPU)."""
     if self.reuse_buffers and self._buffers is not None and self._buffers[0].shape == shape:
       return self._buffers

@@ -23,7 +23,7 @@ PER_STEP = dict(SMALL, bridge="per_step")
 
 
 @pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
-                                          ("graph", {})])
+                                          ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   prompts = [random_prompt(53), random_prompt(21, seed=5)]  # ragged; 24 steps > window: evictions
@@ -34,12 +34,24 @@ def test_equals_full_when_topk_covers_the_context(index, extra):
   assert sparse.policy_stats["inserted_tokens"] > 0  # tokens did leave the window
 
 
-def test_equals_full_with_dense_and_local_layers():
+@pytest.mark.parametrize("lag", [1, 2])
+def test_equals_full_with_dense_and_local_layers(lag):
   model = tiny_model("gemma3")  # layer 0 is a sliding-window layer, attended densely
   prompt = random_prompt(40, seed=3)
   full = run(model, prompt)
-  sparse = run(model, prompt, index="flat", topk=500, **PER_STEP)
+  sparse = run(model, prompt, index="flat", topk=500, lag=lag, **PER_STEP)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_lag_two_is_deterministic_and_differs_from_lag_one():
+  model = tiny_model("llama")
+  prompt = random_prompt(60, seed=4)
+  options = dict(index="flat", topk=2, **PER_STEP)
+  one = run(model, prompt, **options)
+  two, again = run(model, prompt, lag=2, **options), run(model, prompt, lag=2, **options)
+  np.testing.assert_array_equal(two.logits, again.logits)  # thread timing does not leak into results
+  assert np.abs(two.logits - one.logits).max() > 1e-4  # an older selection: a different approximation
+  assert two.policy_stats["step_wait_seconds"] >= 0.0
 
 
 def test_no_host_callback_inside_the_step(monkeypatch):
@@ -126,10 +138,11 @@ def test_attend_rows_matches_dense_masked_attention():
       np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
 
 
-def test_saved_context_decodes_token_for_token(tmp_path):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_saved_context_decodes_token_for_token(tmp_path, lag):
   model = tiny_model("llama")
   prompt = random_prompt(50, seed=7)
-  options = dict(index="roar", topk=6, **PER_STEP)
+  options = dict(index="roar", topk=6, lag=lag, **PER_STEP)
   ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
                       prefill_chunk=16)
   kvjax.save_context(ctx, tmp_path / "c")
@@ -150,6 +163,8 @@ STEPS_SAVED = 12
     (dict(bridge="per_step", speculative=True), "speculative"),
     (dict(bridge="per_step", tail_slots=0), "tail_slots=0"),
     (dict(roar_heads="group"), "roar_heads="),
+    (dict(bridge="per_step", lag=3), "lag=3"),
+    (dict(lag=2), "lag=2 applies"),
     (dict(index="flat", roar_heads="kv"), "roar_heads='kv'"),
 ])
 def test_bad_options(options, message):

@@ -66,6 +66,9 @@ class RetrievalState:
   step_evicted_v: jax.Array  # [L, B, Hkv, D]
   step_evicted_q: jax.Array  # [L, B, Hq, D]: its own query
   step_evicted_pos: jax.Array  # [L, B] int32: its position, -1 where none left
+  recent_k: jax.Array  # [L, B, Hkv, lag, D] tokens evicted in the last `lag` steps (not in buf yet)
+  recent_v: jax.Array  # [L, B, Hkv, lag, D]
+  recent_pos: jax.Array  # [L, B, lag] int32 their positions, -1 = empty slot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +91,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     search, or `speculative`) or "per_step" (one host exchange between steps: every head uses
     the previous step's selection, no correction; see kvjax.prefetch_runtime).
   tail_slots: per_step only: buffer rows for stored tokens the background has not indexed yet.
+  lag: per_step only: the rows used at step t were searched with the query of step t - lag.
+    1: the host works between steps (critical path); 2: it works while the device computes
+    the next step (hidden when it takes less than a step), with an older selection.
   roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
     group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
     recall on Gemma-3 32K; host_index/NOTES_roar.md).
@@ -106,6 +112,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   implementation: str = "auto"
   bridge: str = "per_layer"
   tail_slots: int = 8
+  lag: int = 1
   roar_heads: str = "query"
   name: str = "retrieval"
   decode_options = ("topk", "ef", "speculative", "tau", "implementation")
@@ -129,6 +136,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                        "the previous step's selection")
     if self.tail_slots < 1:
       raise ValueError(f"tail_slots={self.tail_slots} must be >= 1")
+    if self.lag not in (1, 2):
+      raise ValueError(f"lag={self.lag}; expected 1 or 2")
+    if self.lag != 1 and self.bridge != "per_step":
+      raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
     if self.roar_heads not in ("query", "kv"):
       raise ValueError(f"roar_heads={self.roar_heads!r}; expected 'query' or 'kv'")
     if self.roar_heads == "kv" and self.index != "roar":
@@ -138,7 +149,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def describe(self) -> str:
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     spec = f", speculative tau={self.tau}" if self.speculative else ""
-    spec += ", one host exchange per step (previous step's selection)" if self.bridge == "per_step" else ""
+    if self.bridge == "per_step":
+      spec += (", one host exchange per step (previous step's selection)" if self.lag == 1 else
+               ", host works while the device computes (selection of two steps back)")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
@@ -167,7 +180,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         buf_valid=jnp.zeros((n, batch, Hq, slots), bool), step_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
         step_evicted_k=jnp.zeros((n, batch, Hkv, D), dtype), step_evicted_v=jnp.zeros((n, batch, Hkv, D), dtype),
         step_evicted_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
-        step_evicted_pos=jnp.full((n, batch), -1, jnp.int32))
+        step_evicted_pos=jnp.full((n, batch), -1, jnp.int32),
+        recent_k=jnp.zeros((n, batch, Hkv, self.lag, D), dtype), recent_v=jnp.zeros((n, batch, Hkv, self.lag, D), dtype),
+        recent_pos=jnp.full((n, batch, self.lag), -1, jnp.int32))
 
   def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
@@ -195,20 +210,38 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     self.check(state)
     if self.bridge != "per_step":
       return state
-    return self._prefetch(cfg, state, state.step_q, state.step_evicted_k, state.step_evicted_v,
-                          state.step_evicted_q, state.step_evicted_pos)
-
-  def _prefetch(self, cfg, state: RetrievalState, queries, evicted_k, evicted_v, evicted_q, evicted_pos):
-    """Runs the host's per-step work (kvjax.prefetch_runtime) and puts the next step's rows on the device."""
-    dense = set(self.dense_layer_ids(cfg))
-    layers = [l for l in range(cfg.num_layers) if l not in dense]
+    step = (state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q, state.step_evicted_pos)
+    if self.lag == 1:
+      return self._prefetch(cfg, state, *step)
     runtime = self.runtime(state)
-    buf_k, buf_v, valid = runtime.prefetch_step(
-        layers, np.asarray(queries, np.float32), np.asarray(evicted_k), np.asarray(evicted_v),
-        np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
-    as_device = lambda rows: jnp.asarray(rows.view(jnp.bfloat16) if state.buf_k.dtype == jnp.bfloat16 else rows,
-                                         state.buf_k.dtype)
-    return state.replace(buf_k=as_device(buf_k), buf_v=as_device(buf_v), buf_valid=jnp.asarray(valid))
+    # Lag 2: this step's queries select the rows of the step after next, on the prefetch thread
+    # while the device computes the next step, which uses the rows selected one step earlier.
+    # None pending = the first step after prefill (or a load): its rows were selected by the
+    # last prompt token's query, as the current ones.
+    rows = runtime.take_prefetched() or (state.buf_k, state.buf_v, state.buf_valid)
+    runtime.start_prefetch(self._rows_to_device(state), self._sparse_layers(cfg), *_host_arrays(step))
+    return state.replace(buf_k=rows[0], buf_v=rows[1], buf_valid=rows[2])
+
+  def _sparse_layers(self, cfg) -> list[int]:
+    dense = set(self.dense_layer_ids(cfg))
+    return [l for l in range(cfg.num_layers) if l not in dense]
+
+  def _rows_to_device(self, state: RetrievalState):
+    """numpy rows (store dtype; bfloat16 as uint16 bits) -> device arrays, copy complete on return
+    (the host buffers are rewritten by the next prefetch)."""
+    dtype = state.buf_k.dtype
+
+    def to_device(buf_k, buf_v, valid):
+      put = lambda rows: jnp.asarray(rows.view(jnp.bfloat16) if dtype == jnp.bfloat16 else rows, dtype)
+      return jax.block_until_ready((put(buf_k), put(buf_v), jnp.asarray(valid)))
+    return to_device
+
+  def _prefetch(self, cfg, state: RetrievalState, *step):
+    """Runs the host's per-step work now (kvjax.prefetch_runtime) and puts the next step's rows
+    on the device. step: queries, evicted k, v, q and positions of the step that just ended."""
+    rows = self._rows_to_device(state)(*self.runtime(state).prefetch_step(self._sparse_layers(cfg),
+                                                                          *_host_arrays(step)))
+    return state.replace(buf_k=rows[0], buf_v=rows[1], buf_valid=rows[2])
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
@@ -282,16 +315,22 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     o_dev, lse_dev, evicted, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     evicted_k, evicted_v, evicted_q, evicted_pos = evicted
     q0 = q[:, 0]  # [B, Hq, D]
-    G = cfg.num_heads // cfg.num_kv_heads
-    # The evicted token is in neither the ring nor the host yet (the host stores it after this
-    # step): attend it here as one more row of each query head.
-    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(evicted_k, G, axis=1)[:, :, None]], axis=2)
-    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(evicted_v, G, axis=1)[:, :, None]], axis=2)
-    ev_valid = jnp.broadcast_to((evicted_pos >= 0)[:, None, None], q0.shape[:2] + (1,))
-    valid = jnp.concatenate([state.buf_valid[layer], ev_valid], axis=2)
+    B, G = q0.shape[0], cfg.num_heads // cfg.num_kv_heads
+    # Tokens evicted in the last `lag` steps (this one included) are in neither the ring nor the
+    # host rows yet: the device keeps them in a small ring of their own, slot = position % lag.
+    b = jnp.arange(B, dtype=jnp.int32)
+    at = jnp.where(evicted_pos >= 0, evicted_pos % self.lag, self.lag)  # lag = dropped
+    recent_k = state.recent_k.at[layer, b, :, at].set(evicted_k, mode="drop")  # [L, B, Hkv, lag, D]
+    recent_v = state.recent_v.at[layer, b, :, at].set(evicted_v, mode="drop")
+    recent_pos = state.recent_pos.at[layer, b, at].set(evicted_pos, mode="drop")  # [L, B, lag]
+    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(recent_k[layer], G, axis=1)], axis=2)
+    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(recent_v[layer], G, axis=1)], axis=2)
+    recent_valid = jnp.broadcast_to((recent_pos[layer] >= 0)[:, None, :], (B, q0.shape[1], self.lag))
+    valid = jnp.concatenate([state.buf_valid[layer], recent_valid], axis=2)
     o_rows, lse_rows = attend_rows(q0, rows_k, rows_v, valid, scale=cfg.attn_scale)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     state = state.replace(
+        recent_k=recent_k, recent_v=recent_v, recent_pos=recent_pos,
         step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)),
         step_evicted_k=state.step_evicted_k.at[layer].set(evicted_k),
         step_evicted_v=state.step_evicted_v.at[layer].set(evicted_v),
@@ -355,6 +394,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       state = self._prefetch(cfg, state, last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
                              none)
     return state
+
+
+def _host_arrays(step):
+  """(queries, evicted k, v, q, positions) of a step as host arrays for kvjax.prefetch_runtime."""
+  queries, evicted_k, evicted_v, evicted_q, evicted_pos = step
+  return (np.asarray(queries, np.float32), np.asarray(evicted_k), np.asarray(evicted_v),
+          np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
 
 
 def attend_rows(
