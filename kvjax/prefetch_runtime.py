@@ -30,12 +30,13 @@ tokens evicted in the last `lag` steps are not in the host rows yet; the device 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 
 import numpy as np
 
-from kvjax.host_runtime import HostRuntime, available_cores
+from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
 
 
 class PrefetchRuntime(HostRuntime):
@@ -55,6 +56,9 @@ class PrefetchRuntime(HostRuntime):
     self._buffers = None
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
     self._next = None  # lag 2: the future of the next step's rows
+    # Per layer, the ids [B, Hq, slots] of the steps selected for but not scored yet, oldest
+    # first: the head is what the step that just ended used.
+    self._selections: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
   def close(self) -> None:
     self._prefetcher.shutdown(wait=True, cancel_futures=True)
@@ -76,6 +80,11 @@ class PrefetchRuntime(HostRuntime):
     result = pending.result()  # re-raises a failure of the job, outside any jitted program
     self.stats.step_wait_seconds += time.perf_counter() - t0
     return result
+
+  def repeat_selection(self) -> None:
+    """Records that the next step reuses the latest selection (lag 2, first step after prefill)."""
+    for queue in self._selections.values():
+      queue.append(queue[-1])
 
   @property
   def slots(self) -> int:
@@ -117,10 +126,14 @@ class PrefetchRuntime(HostRuntime):
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned)
     for layer, ids in zip(layers, found):
-      self._score_reuse(layer, ids)
+      queue = self._selections[layer]
+      if queue:  # what the step that just ended used, against that step's own query's result
+        hits, total = reuse_hits(queue.popleft(), ids)
+        self.stats.reused_hits += hits
+        self.stats.reused_total += total
       tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
       ids = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
-      self._used_ids[layer] = ids
+      queue.append(ids)
       for b in range(B):  # one threaded C copy (NumPy fancy indexing took ~50 ms per step at 8B shapes)
         store.gather_rows(b, layer, kv_of_q[:, None], ids[b], out_k=out_k[layer, b], out_v=out_v[layer, b],
                           threads=self.search_threads)

@@ -32,6 +32,7 @@ def test_equals_full_when_topk_covers_the_context(index, extra):
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   assert sparse.tokens == full.tokens
   assert sparse.policy_stats["inserted_tokens"] > 0  # tokens did leave the window
+  assert sparse.policy_stats["hit_rate"] == 1.0  # a covering selection loses nothing to the lag
 
 
 @pytest.mark.parametrize("lag", [1, 2])

@@ -218,7 +218,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     # while the device computes the next step, which uses the rows selected one step earlier.
     # None pending = the first step after prefill (or a load): its rows were selected by the
     # last prompt token's query, as the current ones.
-    rows = runtime.take_prefetched() or (state.buf_k, state.buf_v, state.buf_valid)
+    rows = runtime.take_prefetched()
+    if rows is None:
+      rows = (state.buf_k, state.buf_v, state.buf_valid)
+      runtime.repeat_selection()
     runtime.start_prefetch(self._rows_to_device(state), self._sparse_layers(cfg), *_host_arrays(step))
     return state.replace(buf_k=rows[0], buf_v=rows[1], buf_valid=rows[2])
 
