@@ -416,13 +416,14 @@ def attend_rows(
 ):
   """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
   a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
-  scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+  exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
+  scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
   scores = jnp.where(valid, scores, -jnp.inf)
   peak = jnp.max(scores, axis=-1, keepdims=True)
   peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
   weights = jnp.exp(scores - peak)  # exactly 0 where invalid
   total = jnp.sum(weights, axis=-1)
-  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32)) / jnp.maximum(total, 1e-30)[..., None]
+  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact) / jnp.maximum(total, 1e-30)[..., None]
   lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
   return o, lse
 
