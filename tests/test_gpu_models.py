@@ -29,13 +29,15 @@ def test_pallas_model_matches_xla(name):
   np.testing.assert_allclose(pallas.logits, xla.logits, rtol=2e-3, atol=2e-3)
 
 
-def test_retrieval_prefill_on_gpu_matches_full():
-  """Retrieval's prefill now runs the Pallas flash kernel too: with a covering top-k its
-  decode must still equal full."""
+@pytest.mark.parametrize("bridge", [dict(), dict(bridge="per_step"), dict(bridge="per_step", lag=2)],
+                         ids=["per_layer", "per_step", "per_step_lag2"])
+def test_retrieval_on_gpu_matches_full(bridge):
+  """Retrieval's prefill runs the Pallas flash kernel and its decode the Pallas ring kernel (and,
+  per_step, rows copied from reused host buffers): with a covering top-k it must equal full."""
   model = kvjax.load_model("random:smollm2", dtype="float32")
-  prompts = _prompts(model.cfg.vocab_size, [900])
-  run = dict(max_new_tokens=5, prefill_chunk=256, return_logits=True, chat=False)
+  prompts = _prompts(model.cfg.vocab_size, [900, 500])
+  run = dict(max_new_tokens=80, prefill_chunk=256, return_logits=True, chat=False)  # 80 > window: evictions
   full = kvjax.generate(model, prompts, policy=FullAttention(implementation="pallas"), **run)
-  sparse = kvjax.generate(model, prompts, policy=RetrievalAttention(index="flat", topk=1024, sinks=16, window=64),
-                          **run)
+  sparse = kvjax.generate(model, prompts, policy=RetrievalAttention(index="flat", topk=1024, sinks=16, window=64,
+                                                                    **bridge), **run)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=2e-3, atol=2e-3)
