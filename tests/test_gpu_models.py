@@ -36,7 +36,7 @@ def test_retrieval_on_gpu_matches_full(bridge):
   per_step, rows copied from reused host buffers): with a covering top-k it must equal full."""
   model = kvjax.load_model("random:smollm2", dtype="float32")
   prompts = _prompts(model.cfg.vocab_size, [900, 500])
-  run = dict(max_new_tokens=80, prefill_chunk=256, return_logits=True, chat=False)  # 80 > window: evictions
+  run = dict(max_new_tokens=8, prefill_chunk=256, return_logits=True, chat=False)  # every step evicts a token
   full = kvjax.generate(model, prompts, policy=FullAttention(implementation="pallas"), **run)
   sparse = kvjax.generate(model, prompts, policy=RetrievalAttention(index="flat", topk=1024, sinks=16, window=64,
                                                                     **bridge), **run)
