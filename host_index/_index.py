@@ -269,8 +269,8 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
         train_topk: roar only: [M, N_q] int ids of each training query's
             exact top keys, best first (-1 = padding), e.g. from the device.
         seed: seeds k-means sampling (the graph builds use no randomness). A
-            build is deterministic whatever the thread count (graph builds
-            link nodes in batches of fixed size, each list's edges in a fixed order).
+            build with threads=1 is deterministic; with more threads, graph
+            builds insert concurrently and results vary within noise.
         threads: OpenMP threads (default: all).
         **params: per kind (defaults in DEFAULT_PARAMS): ivf nlist (0 = 4*sqrt(N)),
             niter; graph M, ef_construction, metric ("l2" | "ip"), alpha, ef_insert;

@@ -2,26 +2,29 @@
  * attention-aware RoarGraph-style graph ("roar"), sharing one best-first
  * search, one RNG-style neighbour selection and one reachability repair.
  *
- * Builds are parallel but deterministic: nodes are linked in batches whose
- * searches all see the graph as of the batch start, and each node's incoming
- * edges are added by one thread in a fixed order (add_reverse), so the graph
- * is a function of the keys alone, whatever the thread count or timing.
- * Query-time search runs lock-free under the index's read lock. */
+ * Build-time writers lock single nodes with spinlocks (concurrent inserts as
+ * in hnswlib); query-time search runs lock-free under the index's read lock. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include "hi_index.h"
 #include "hi_kernels.h"
 
 #define HI_MAX_R 512 /* adjacency stride limit; the Python layer checks M */
 
+typedef _Atomic unsigned char spin_t;
+
+static inline void spin_lock(spin_t *l) {
+  while (atomic_exchange_explicit(l, 1, memory_order_acquire)) {
+  }
+}
+
+static inline void spin_unlock(spin_t *l) { atomic_store_explicit(l, 0, memory_order_release); }
+
 typedef struct {
   hi_index_t *ix;
   const hi_keys_t *keys; /* f32 copy while building; the store's keys on insert */
+  spin_t *locks;         /* NULL: a single writer (insert under the write lock) */
   int metric;
   float alpha;
   int cap; /* out-degree limit of add_link / repair: M while building roar, else R */
@@ -55,9 +58,11 @@ static const float *row_f32(const hi_keys_t *keys, int32_t id, float *buf) {
   return buf;
 }
 
-static int read_nbrs(const hi_index_t *ix, int32_t u, int32_t *buf) {
+static int read_nbrs(const hi_index_t *ix, spin_t *locks, int32_t u, int32_t *buf) {
+  if (locks) spin_lock(&locks[u]);
   const int d = ix->deg[u];
   memcpy(buf, ix->adj + (size_t)u * ix->R, (size_t)d * sizeof(int32_t));
+  if (locks) spin_unlock(&locks[u]);
   return d;
 }
 
@@ -115,7 +120,7 @@ static int score_and_offer(const hi_keys_t *keys, int mode, const float *q, cons
  * every node scanned (ws->pool holds them meanwhile). */
 static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t n_nodes,
                            const float *q, int mode, int ef, int kres, int seeds, hi_ws_t *ws,
-                           int64_t *ntop) {
+                           spin_t *locks, int64_t *ntop) {
   *ntop = 0;
   int32_t e = ix->entry;
   if (e < 0 || e >= n_nodes || ef <= 0) return 0;
@@ -148,7 +153,7 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
   while (nc > 0) {
     const hi_pair c = hi_minheap_pop(ws->cand, &nc);
     if (nt >= ef && c.d > ws->top[0].d) break;
-    const int deg = read_nbrs(ix, c.id, nb);
+    const int deg = read_nbrs(ix, locks, c.id, nb);
     int m = 0;
     for (int j = 0; j < deg; j++) {
       const int32_t v = nb[j];
@@ -171,7 +176,7 @@ int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, cons
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned) {
   if (ef <= 0) ef = 64 > k ? 64 : k;
   /* ef < k: a beam of ef, results the best k of every key scanned. */
-  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, 1, ws, ntop);
+  int64_t s = search_core(ix, keys, n, q, HI_IP, ef, k, 1, ws, NULL, ntop);
   if (s < 0) return (int)s;
   *scanned = s;
   return HI_OK;
@@ -215,6 +220,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
   hi_index_t *ix = g->ix;
   hi_pair pairs[HI_MAX_R + 1];
   int32_t ids[HI_MAX_R + 1];
+  if (g->locks) spin_lock(&g->locks[u]);
   int32_t *a = ix->adj + (size_t)u * ix->R;
   const int d = ix->deg[u];
   int present = 0;
@@ -235,20 +241,20 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
       ix->deg[u] = select_nbrs(g, pairs, d + 1, a, 0, g->cap, ws);
     }
   }
+  if (g->locks) spin_unlock(&g->locks[u]);
 }
 
-/* Out-edges of node x (already counted in ix->n) into sel[0..maxdeg):
- * candidates from a search with x's key (build metric), plus, when qv is
- * given, from a search with that query by inner product (roar's decode-time
- * insert: the token's own query is its training query), RNG-selected.
- * Reads the graph only. Returns the count, or a negative hi_err. */
-static int select_links(gctx_t *g, int32_t x, const float *xv, const float *qv, int64_t n_nodes,
-                        int ef, int maxdeg, hi_ws_t *ws, int32_t *sel) {
+/* Link node x (already counted in ix->n): candidates from a search with x's
+ * key (build metric), plus, when qv is given, from a search with that query
+ * by inner product (roar's decode-time insert: the token's own query is its
+ * training query). Select up to M, then add the reverse edges. */
+static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int64_t n_nodes,
+                     int ef, int maxdeg, hi_ws_t *ws) {
   hi_index_t *ix = g->ix;
   int64_t nt;
   int err = hi_ws_ensure(ws, n_nodes, ef, ef + ix->R, ix->dim);
   if (err) return err;
-  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, 0, ws, &nt);
+  int64_t s = search_core(ix, g->keys, n_nodes, xv, g->metric, ef, 0, 0, ws, g->locks, &nt);
   if (s < 0) return (int)s;
   int64_t nd = s;
   err = ensure_pool(ws, nt + (qv ? ef : 0) + 1);
@@ -257,7 +263,7 @@ static int select_links(gctx_t *g, int32_t x, const float *xv, const float *qv, 
   for (int64_t i = 0; i < nt; i++)
     if (ws->top[i].id != x) ws->pool[np++] = ws->top[i];
   if (qv) {
-    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, 0, ws, &nt);
+    s = search_core(ix, g->keys, n_nodes, qv, HI_IP, ef, 0, 0, ws, g->locks, &nt);
     if (s < 0) return (int)s;
     nd += s;
     /* Re-measure the query's results from x, in the build metric. */
@@ -274,75 +280,15 @@ static int select_links(gctx_t *g, int32_t x, const float *xv, const float *qv, 
     nd += m;
   }
   qsort(ws->pool, (size_t)np, sizeof(hi_pair), cmp_pair);
-  const int ns = select_nbrs(g, ws->pool, np, sel, 0, maxdeg, ws);
-  atomic_fetch_add_explicit(&g->ndist, nd, memory_order_relaxed);
-  return ns;
-}
-
-/* Link node x (single writer): select its out-edges, then add the reverse
- * edges. */
-static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int64_t n_nodes,
-                     int ef, int maxdeg, hi_ws_t *ws) {
-  hi_index_t *ix = g->ix;
   int32_t sel[HI_MAX_R];
-  const int ns = select_links(g, x, xv, qv, n_nodes, ef, maxdeg, ws, sel);
-  if (ns < 0) return ns;
+  const int ns = select_nbrs(g, ws->pool, np, sel, 0, maxdeg, ws);
+  if (g->locks) spin_lock(&g->locks[x]);
   memcpy(ix->adj + (size_t)x * ix->R, sel, (size_t)ns * sizeof(int32_t));
   ix->deg[x] = ns;
+  if (g->locks) spin_unlock(&g->locks[x]);
   for (int j = 0; j < ns; j++) add_link(g, sel[j], x, ws);
+  atomic_fetch_add_explicit(&g->ndist, nd, memory_order_relaxed);
   return HI_OK;
-}
-
-/* This thread's rank in the team of the enclosing parallel region, and the
- * team's size (0 and 1 outside one). */
-static inline int team_rank(void) {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
-static inline int team_size(void) {
-#ifdef _OPENMP
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
-/* Reverse edges u -> x, x = src ? src[i] : first + i for each source i < nsrc
- * and u = rows[i * stride + j], lo[i] <= j < cnt[i] (lo NULL: 0), through
- * add_link. Every thread of the enclosing team calls it: thread t of T takes
- * the targets u with u % T == t, each one's edges in source order. add_link
- * (u, .) touches u's list only, so every list gets the same sequence of
- * add_link calls (the sequential one) whatever T or the timing. The caller
- * puts a barrier after it. Stops linking once *err is set. */
-static void add_reverse(gctx_t *g, const int32_t *src, int64_t first, int64_t nsrc,
-                        const int32_t *rows, int stride, const int32_t *lo, const int32_t *cnt,
-                        hi_ws_t *ws, const int *err) {
-  const int T = team_size(), me = team_rank();
-  for (int64_t i = 0; i < nsrc; i++) {
-    int e;
-#pragma omp atomic read
-    e = *err;
-    if (e) return;
-    const int32_t x = src ? src[i] : (int32_t)(first + i);
-    for (int j = lo ? lo[i] : 0; j < cnt[i]; j++) {
-      const int32_t u = rows[i * stride + j];
-      if (u % T == me) add_link(g, u, x, ws);
-    }
-  }
-}
-
-/* Nodes per batch of a parallel build: the searches of a batch see the graph
- * as of its start, so a batch grows with the graph (linked nodes, prefix
- * doubling) up to n / 32 to stay close to one-at-a-time insertion (recall as
- * with concurrent inserts on synthetic keys; few barriers). A function of the
- * counts alone: the same batches for any thread count. */
-static int64_t batch_size(int64_t linked, int64_t n) {
-  const int64_t cap = n / 32 > 1 ? n / 32 : 1;
-  return linked < 1 ? 1 : linked < cap ? linked : cap;
 }
 
 /* --- shared build steps ---------------------------------------------------- */
@@ -431,13 +377,15 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     free(queue);
     return HI_ENOMEM;
   }
+  spin_t *saved = g->locks;
+  g->locks = NULL;
   bfs_mark(ix, ix->entry, reach, queue);
   int err = HI_OK;
   for (int64_t u = 0; u < n && !err; u++) {
     if (reach[u]) continue;
     int64_t nt;
     const float *uv = row_f32(g->keys, (int32_t)u, ws->row2);
-    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, 0, ws, &nt);
+    int64_t s = search_core(ix, g->keys, n, uv, g->metric, ef, 0, 0, ws, NULL, &nt);
     if (s < 0) {
       err = (int)s;
       break;
@@ -462,6 +410,7 @@ static int repair(gctx_t *g, int64_t n, int ef, hi_ws_t *ws) {
     ix->stats.unreachable_fixed++;
     bfs_mark(ix, (int32_t)u, reach, queue);
   }
+  g->locks = saved;
   free(reach);
   free(queue);
   return err;
@@ -478,75 +427,42 @@ int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads
   hi_keys_t k32;
   int err = keys_f32(keys, n, threads, &buf, &k32);
   if (err) return err;
-  gctx_t g = {.ix = ix, .keys = &k32, .metric = ix->p.metric, .alpha = ix->p.alpha,
-              .cap = ix->R};
+  spin_t *locks = calloc((size_t)n, sizeof(spin_t));
+  if (!locks) {
+    free(buf);
+    return HI_ENOMEM;
+  }
+  gctx_t g = {.ix = ix, .keys = &k32, .locks = locks, .metric = ix->p.metric,
+              .alpha = ix->p.alpha, .cap = ix->R};
   ix->entry = nearest_to_mean(&k32, n, threads);
-  const int M = ix->p.M;
-  const int64_t bmax = batch_size(n, n);
-  /* Every node but the entry, in id order, linked batch after batch. */
-  int32_t *order = malloc((size_t)n * sizeof(int32_t));
-  int32_t *sel = malloc((size_t)bmax * (size_t)M * sizeof(int32_t));
-  int32_t *nsel = malloc((size_t)bmax * sizeof(int32_t));
-  if (!order || !sel || !nsel) err = HI_ENOMEM;
-  int64_t m = 0;
-  for (int64_t i = 0; i < n && !err; i++)
-    if (i != ix->entry) order[m++] = (int32_t)i;
-  if (!err) {
 #pragma omp parallel num_threads(hi_threads(threads))
-    {
-      hi_ws_t ws = {0};
-      /* Every thread walks the same batches (their bounds depend on counts only). */
-      for (int64_t s = 0, linked = 1; s < m;) {
-        const int64_t b = batch_size(linked, n) < m - s ? batch_size(linked, n) : m - s;
-        /* 1. Out-edges of the batch's nodes, all searching the graph as of its start. */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < b; i++) {
-          int e;
-#pragma omp atomic read
-          e = err;
-          int ns = 0;
-          if (!e) {
-            const int32_t x = order[s + i];
-            ns = select_links(&g, x, hi_row(&k32, x), NULL, n, ix->p.ef_construction, M, &ws,
-                              sel + i * M);
-            if (ns < 0) {
-#pragma omp atomic write
-              err = ns;
-              ns = 0;
-            }
-          }
-          nsel[i] = ns;
-        }
-        /* 2. Their lists, then the reverse edges: each list by the thread that
-         * owns it in add_reverse (batch nodes link only to earlier nodes). */
-        const int T = team_size(), me = team_rank();
-        for (int64_t i = 0; i < b; i++) {
-          const int32_t x = order[s + i];
-          if (x % T != me) continue;
-          memcpy(ix->adj + (size_t)x * ix->R, sel + i * M, (size_t)nsel[i] * sizeof(int32_t));
-          ix->deg[x] = nsel[i];
-        }
-        add_reverse(&g, order + s, 0, b, sel, M, NULL, nsel, &ws, &err);
-#pragma omp barrier
-        s += b;
-        linked += b;
-      }
-      hi_ws_free(&ws);
+  {
+    hi_ws_t ws = {0};
+    int lerr = HI_OK;
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t i = 0; i < n; i++) {
+      if (lerr || i == ix->entry) continue;
+      lerr = link_node(&g, (int32_t)i, hi_row(&k32, i), NULL, n, ix->p.ef_construction,
+                       ix->p.M, &ws);
     }
+    if (lerr) {
+#pragma omp atomic write
+      err = lerr;
+    }
+    hi_ws_free(&ws);
   }
   ix->stats.t_connect = hi_now() - t0;
   if (!err) {
     t0 = hi_now();
     hi_ws_t ws = {0};
+    g.locks = NULL;
     err = repair(&g, n, ix->p.ef_construction, &ws);
     hi_ws_free(&ws);
     ix->stats.t_repair = hi_now() - t0;
   }
   ix->stats.built_nodes = n;
   ix->stats.dist_build = g.ndist;
-  free(order);
-  free(sel);
-  free(nsel);
+  free(locks);
   free(buf);
   return err;
 }
@@ -699,7 +615,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
   hi_keys_t k32;
   int32_t *tk = NULL, *bucket = NULL;
   int64_t *boff = NULL;
-  int32_t *sel = NULL, *npre = NULL, *nsel = NULL;
+  spin_t *locks = NULL;
   int err = keys_f32(keys, n, threads, &buf, &k32);
   if (err) return err;
   const int M = ix->p.M;
@@ -727,8 +643,9 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
    * n_pivots keys) is linked to the pooled neighbours of all queries that
    * share it, pruned to M; then the reverse edges. */
   t0 = hi_now();
+  locks = calloc((size_t)n, sizeof(spin_t));
   boff = calloc((size_t)n + 1, sizeof(int64_t));
-  if (!boff) goto oom;
+  if (!locks || !boff) goto oom;
   const int npv = ix->p.n_pivots < nq ? ix->p.n_pivots : nq;
   for (int64_t i = 0; i < m; i++)
     for (int j = 0; j < npv; j++) {
@@ -801,8 +718,9 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
     hi_ws_free(&ws);
   }
   if (err) goto done;
-  /* Reverse edges of the projection, from a snapshot of the pivots' lists
-   * (add_link may rewrite a full list). */
+  g.locks = locks;
+  /* Reverse edges of the projection: snapshot the pivots' lists first, since
+   * add_link may rewrite a full list while we walk it. */
   {
     int32_t *snap = malloc((size_t)n * (size_t)ix->R * sizeof(int32_t));
     int32_t *sdeg = malloc((size_t)n * sizeof(int32_t));
@@ -816,12 +734,14 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
 #pragma omp parallel num_threads(hi_threads(threads))
     {
       hi_ws_t ws = {0};
-      if (hi_ws_ensure(&ws, 0, 1, 1, ix->dim)) {
+      if (hi_ws_ensure(&ws, 0, 1, 1, ix->dim) == HI_OK) {
+#pragma omp for schedule(dynamic, 64)
+        for (int64_t p = 0; p < n; p++)
+          for (int j = 0; j < sdeg[p]; j++) add_link(&g, snap[(size_t)p * ix->R + j], (int32_t)p, &ws);
+      } else {
 #pragma omp atomic write
         err = HI_ENOMEM;
       }
-#pragma omp barrier /* a failed scratch stops every thread's links */
-      add_reverse(&g, NULL, 0, n, snap, ix->R, NULL, sdeg, &ws, &err);
       hi_ws_free(&ws);
     }
     free(snap);
@@ -835,59 +755,43 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
    * adding reverse edges, so keys the projection missed become reachable. */
   t0 = hi_now();
   ix->entry = nearest_to_mean(&k32, n, threads);
-  /* In batches of consecutive keys, each searching the graph as of the batch
-   * start: the same graph for any thread count. */
-  const int64_t bc = batch_size(n, n);
-  sel = malloc((size_t)bc * (size_t)M * sizeof(int32_t));
-  npre = malloc((size_t)bc * sizeof(int32_t));
-  nsel = malloc((size_t)bc * sizeof(int32_t));
-  if (!sel || !npre || !nsel) goto oom;
 #pragma omp parallel num_threads(hi_threads(threads))
   {
     hi_ws_t ws = {0};
-    for (int64_t s0 = 0; s0 < n; s0 += bc) {
-      const int64_t b = n - s0 < bc ? n - s0 : bc;
-      /* 1. Each key's new neighbours: its list so far, RNG-extended. */
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < b; i++) {
-        const int32_t x = (int32_t)(s0 + i);
-        int32_t *row = sel + i * M;
-        const int np0 = read_nbrs(ix, x, row);
-        npre[i] = nsel[i] = np0;
-        int e;
-#pragma omp atomic read
-        e = err;
-        if (e || np0 >= M) continue;
-        int64_t nt;
-        int64_t sc = search_core(ix, &k32, n, hi_row(&k32, x), g.metric, ix->p.L, 0, 0, &ws, &nt);
-        if (sc < 0 || (e = ensure_pool(&ws, nt + 1))) {
+    int lerr = HI_OK;
+#pragma omp for schedule(dynamic, 16)
+    for (int64_t x = 0; x < n; x++) {
+      if (lerr) continue;
+      int32_t sel[HI_MAX_R];
+      int npre = read_nbrs(ix, locks, (int32_t)x, sel);
+      if (npre >= M) continue;
+      int64_t nt;
+      const float *xv = hi_row(&k32, x);
+      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, 0, &ws, locks, &nt);
+      if (s < 0) {
+        lerr = (int)s;
+        continue;
+      }
+      g.ndist += s;
+      if ((lerr = ensure_pool(&ws, nt + 1))) continue;
+      int64_t np = 0;
+      for (int64_t i = 0; i < nt; i++)
+        if (ws.top[i].id != x) ws.pool[np++] = ws.top[i];
+      qsort(ws.pool, (size_t)np, sizeof(hi_pair), cmp_pair);
+      const int ns = select_nbrs(&g, ws.pool, np, sel, npre, M, &ws);
+      spin_lock(&locks[x]);
+      int32_t *a = ix->adj + (size_t)x * ix->R;
+      for (int j = npre; j < ns; j++) {
+        int present = 0;
+        for (int t = 0; t < ix->deg[x] && !present; t++) present = a[t] == sel[j];
+        if (!present && ix->deg[x] < M) a[ix->deg[x]++] = sel[j];
+      }
+      spin_unlock(&locks[x]);
+      for (int j = npre; j < ns; j++) add_link(&g, sel[j], (int32_t)x, &ws);
+    }
+    if (lerr) {
 #pragma omp atomic write
-          err = sc < 0 ? (int)sc : e;
-          continue;
-        }
-        g.ndist += sc;
-        int64_t np = 0;
-        for (int64_t t = 0; t < nt; t++)
-          if (ws.top[t].id != x) ws.pool[np++] = ws.top[t];
-        qsort(ws.pool, (size_t)np, sizeof(hi_pair), cmp_pair);
-        nsel[i] = select_nbrs(&g, ws.pool, np, row, np0, M, &ws);
-      }
-      /* 2. Appended to their lists, then the reverse edges: each list by the
-       * thread that owns it in add_reverse, before that thread's add_links. */
-      const int T = team_size(), me = team_rank();
-      for (int64_t i = 0; i < b; i++) {
-        const int32_t x = (int32_t)(s0 + i);
-        if (x % T != me) continue;
-        const int32_t *row = sel + i * M;
-        int32_t *a = ix->adj + (size_t)x * ix->R;
-        for (int j = npre[i]; j < nsel[i]; j++) {
-          int present = 0;
-          for (int t = 0; t < ix->deg[x] && !present; t++) present = a[t] == row[j];
-          if (!present && ix->deg[x] < M) a[ix->deg[x]++] = row[j];
-        }
-      }
-      add_reverse(&g, NULL, s0, b, sel, M, npre, nsel, &ws, &err);
-#pragma omp barrier
+      err = lerr;
     }
     hi_ws_free(&ws);
   }
@@ -896,6 +800,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
   t0 = hi_now();
   {
     hi_ws_t ws = {0};
+    g.locks = NULL;
     err = repair(&g, n, ix->p.L, &ws);
     hi_ws_free(&ws);
   }
@@ -911,9 +816,7 @@ oom:
   err = HI_ENOMEM;
 done:
   ix->stats.dist_build = g.ndist;
-  free(sel);
-  free(npre);
-  free(nsel);
+  free(locks);
   free(boff);
   free(bucket);
   free(tk);
@@ -925,7 +828,7 @@ done:
 
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries) {
-  gctx_t g = {.ix = ix, .keys = keys, .metric = ix->p.metric,
+  gctx_t g = {.ix = ix, .keys = keys, .locks = NULL, .metric = ix->p.metric,
               .alpha = ix->p.alpha, .cap = ix->R};
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
