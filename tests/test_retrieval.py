@@ -149,8 +149,10 @@ def test_speculative_is_deterministic():
   for name in ("speculated_groups", "corrected_groups", "reused_hits", "reused_total"):
     assert a.policy_stats[name] == b.policy_stats[name], name
   # With several OpenMP threads the count of scanned keys varies a little between runs (the
-  # selections and logits above do not); with OMP_NUM_THREADS=1 it is exact. Root cause not
-  # found yet (session 2 notes).
+  # selections and logits above do not); with OMP_NUM_THREADS=1 it is exact. Cause: the
+  # multi-threaded graph build links nodes concurrently (hnswlib-style), so each build's graph
+  # depends on thread timing. A deterministic batched build was tried and reverted: it doubled
+  # the L2 key graph's scan on real vectors (recall_gemma3270m_32k_deterministic_build.md).
   assert abs(a.policy_stats["scanned"] - b.policy_stats["scanned"]) <= 0.2 * a.policy_stats["scanned"]
   assert a.policy_stats["speculated_groups"] > 0
 
