@@ -445,11 +445,8 @@ class HostContext:
         Returns:
             ids [B, Hq, k] int64 (best first, -1 padded), scanned [B, Hq] int64.
         """
-        q, seqs, bufs = self._layer_args(layer, queries, seqs)
+        q, seqs, _ = self._layer_args(layer, queries, seqs)
         B = q.shape[0]
-        k = _dtypes.positive_int(k, "k", allow_zero=True)
-        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
-        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
         mask = None
         if heads is not None:
             mask = np.asarray(heads)
@@ -457,13 +454,22 @@ class HostContext:
                 raise ValueError(f"heads {mask.shape} {mask.dtype} must be a bool "
                                  f"[{B}, {self.num_q_heads}] mask")
             mask = np.ascontiguousarray(mask)
-        ixs = tuple(ix._c for s in seqs for ix in self._ix[s][layer])
-        ids = np.empty((B, self.num_q_heads, k), np.int64)
-        scanned = np.empty((B, self.num_q_heads), np.int64)
+        return self._search_rows([(s, layer) for s in seqs], q, k, ef, mask, threads)
+
+    def _search_rows(self, pairs, q, k, ef, mask, threads):
+        """One C search call: query row i [Hq, D] of q searches the indexes of (seq, layer)
+        pairs[i] -> ids [len(pairs), Hq, k], scanned [len(pairs), Hq]."""
+        k = _dtypes.positive_int(k, "k", allow_zero=True)
+        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        bufs = [self.store.buffers(s, l) for s, l in pairs]
+        ixs = tuple(ix._c for s, l in pairs for ix in self._ix[s][l])
+        ids = np.empty((len(pairs), self.num_q_heads, k), np.int64)
+        scanned = np.empty((len(pairs), self.num_q_heads), np.int64)
         _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
                      tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
-                     self.head_dim, q, B, self.num_q_heads, self.per_q_head, k, ef, mask, ids,
-                     scanned, nthreads)
+                     self.head_dim, q, len(pairs), self.num_q_heads, self.per_q_head, k, ef, mask,
+                     ids, scanned, nthreads)
         return ids, scanned
 
     def search_layers(self, layers, queries, *, k: int, ef: int | None = None,
@@ -492,24 +498,15 @@ class HostContext:
         if qshape != want:
             raise ValueError(f"queries {qshape} must be {list(want)} = [layers, seqs, q heads, head_dim]")
         T, B = want[:2]
+        k = _dtypes.positive_int(k, "k", allow_zero=True)
         if T == 0:
             return np.empty((0, B, self.num_q_heads, k), np.int64), np.empty((0, B, self.num_q_heads), np.int64)
         q = _dtypes.as_f32(np.reshape(queries, (T * B, self.num_q_heads, self.head_dim)), "queries", ndim=3,
                            dim=self.head_dim)
-        k = _dtypes.positive_int(k, "k", allow_zero=True)
-        ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
-        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        pairs = [(l, s) for l in layers for s in range(B)]
-        for l, s in pairs:
+        pairs = [(s, l) for l in layers for s in range(B)]
+        for s, l in pairs:
             self.store._check(s, l)
-        bufs = [self.store.buffers(s, l) for l, s in pairs]
-        ixs = tuple(ix._c for l, s in pairs for ix in self._ix[s][l])
-        ids = np.empty((T * B, self.num_q_heads, k), np.int64)
-        scanned = np.empty((T * B, self.num_q_heads), np.int64)
-        _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
-                     tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
-                     self.head_dim, q, T * B, self.num_q_heads, self.per_q_head, k, ef, None, ids,
-                     scanned, nthreads)
+        ids, scanned = self._search_rows(pairs, q, k, ef, None, threads)
         return ids.reshape(T, B, self.num_q_heads, k), scanned.reshape(T, B, self.num_q_heads)
 
     def attend_ids(self, layer: int, queries, ids, *, scale: float | None = None, seqs=None,

@@ -244,7 +244,14 @@ class KVStore:
         npages = -(-n // self.page_size)
         if p.size and (p.min() < 0 or p.max() >= npages):
             raise ValueError(f"page_ids must lie in [0, {npages}) for {n} stored tokens")
-        shape = (h.size, self.page_size, self.head_dim)
+        outs = self._out_buffers((h.size, self.page_size, self.head_dim), out_k, out_v)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        _core.gather_pages(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
+                           self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
+        return outs[0], outs[1]
+
+    def _out_buffers(self, shape, out_k, out_v) -> list:
+        """[out_k, out_v] of `shape` in the storage dtype: the caller's (checked) or new."""
         dt = _dtypes.STORAGE[self.code]
         outs = []
         for name, o in (("out_k", out_k), ("out_v", out_v)):
@@ -254,10 +261,7 @@ class KVStore:
                       and o.flags.c_contiguous and o.flags.writeable):
                 raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}")
             outs.append(o)
-        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        _core.gather_pages(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
-                           self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
-        return outs[0], outs[1]
+        return outs
 
     def gather_rows(self, seq: int, layer: int, kv_heads, ids, *, out_k=None, out_v=None,
                     threads=None):
@@ -285,16 +289,7 @@ class KVStore:
                              f"got [{i.min()}, {i.max()}]")
         if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
             raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
-        shape = i.shape + (self.head_dim,)
-        dt = _dtypes.STORAGE[self.code]
-        outs = []
-        for name, o in (("out_k", out_k), ("out_v", out_v)):
-            if o is None:
-                o = np.empty(shape, dt)
-            elif not (isinstance(o, np.ndarray) and o.shape == shape and o.dtype.itemsize == dt.itemsize
-                      and o.flags.c_contiguous and o.flags.writeable):
-                raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}")
-            outs.append(o)
+        outs = self._out_buffers(i.shape + (self.head_dim,), out_k, out_v)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
         _core.gather_rows(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
                           h, i, i.size, outs[0], outs[1], nthreads)

@@ -118,8 +118,7 @@ class PrefetchRuntime(HostRuntime):
     self.stats.insert_seconds += t2 - t1
 
     store = self.context.store
-    dtype = store.buffers(0, 0)[0].dtype
-    out_k, out_v = self._step_buffers((L, B, Hq, self.slots, D), dtype)
+    out_k, out_v = self._step_buffers((L, B, Hq, self.slots, D), store.buffers(0, 0)[0].dtype)
     valid = np.zeros((L, B, Hq, self.slots), bool)
     kv_of_q = np.arange(Hq) // self.context.group
     found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,

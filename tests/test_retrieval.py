@@ -40,13 +40,16 @@ def test_equals_full_with_dense_and_local_layers():
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
 
 
-def test_small_topk_is_an_approximation():
+@pytest.mark.parametrize("bridge", ["per_layer", "per_step"])
+def test_small_topk_is_an_approximation(bridge):
   model = tiny_model("llama")
   prompt = random_prompt(60, seed=4)
   full = run(model, prompt)
-  sparse = run(model, prompt, index="flat", topk=2, **SMALL)
+  sparse = run(model, prompt, index="flat", topk=2, bridge=bridge, **SMALL)
   assert np.isfinite(sparse.logits).all()
   assert np.abs(sparse.logits - full.logits).max() > 1e-3
+  if bridge == "per_step":  # the lagged selection's hit rate is measured
+    assert 0.0 <= sparse.policy_stats["hit_rate"] <= 1.0
 
 
 def test_one_callback_per_retrieval_layer_per_step_and_no_token_lost(monkeypatch):

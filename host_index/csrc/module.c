@@ -781,6 +781,16 @@ static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
   return PyLong_FromLongLong((long long)bad);
 }
 
+/* The six buffers of a K/V gather: k, v, two int64 index arrays (read), out_k,
+ * out_v (written). Returns how many were acquired (6 = all; fewer = error set). */
+static int get_kv_out_bufs(PyObject *objs[6], const Py_ssize_t need[6], Py_buffer b[6],
+                           const char *what) {
+  int nb = 0;
+  for (; nb < 6; nb++)
+    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], what) < 0) break;
+  return nb;
+}
+
 /* gather_pages(k, v, dtype, Hkv, cap, len, dim, page, heads, page_ids, P, out_k, out_v, threads) */
 static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
   (void)mod;
@@ -800,9 +810,7 @@ static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
   PyObject *objs[6] = {ko, vo, ho, po, oko, ovo};
   const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, P * 8, P * 8,
                               P * page * dim * isz, P * page * dim * isz};
-  int nb = 0;
-  for (; nb < 6; nb++)
-    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], "gather_pages") < 0) break;
+  const int nb = get_kv_out_bufs(objs, need, b, "gather_pages");
   int err = HI_OK;
   if (nb == 6) {
     Py_BEGIN_ALLOW_THREADS err = hi_gather_pages(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
@@ -834,9 +842,7 @@ static PyObject *py_gather_rows(PyObject *mod, PyObject *args) {
   PyObject *objs[6] = {ko, vo, ho, io, oko, ovo};
   const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, T * 8, T * 8,
                               T * dim * isz, T * dim * isz};
-  int nb = 0;
-  for (; nb < 6; nb++)
-    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], "gather_rows") < 0) break;
+  const int nb = get_kv_out_bufs(objs, need, b, "gather_rows");
   int err = HI_OK;
   if (nb == 6) {
     Py_BEGIN_ALLOW_THREADS err = hi_gather_rows(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
