@@ -71,6 +71,8 @@ class HostStats:
   background_seconds: float = 0.0  # speculative: search time in the background thread
   callback_seconds: float = 0.0
   step_wait_seconds: float = 0.0  # bridge="per_step", lag 2: waiting for the background prefetch
+  transfer_seconds: float = 0.0  # bridge="per_step": copying the step's rows to the device (lag 2: off the critical path)
+  transfer_bytes: int = 0  # bridge="per_step": host -> device bytes of those rows
   inserted_tokens: int = 0
   unindexed_attended: int = 0  # stored-not-yet-indexed tokens attended exactly, summed over layers
   scanned: int = 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import flax.struct
 import jax
@@ -233,10 +234,15 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """numpy rows (store dtype; bfloat16 as uint16 bits) -> device arrays, copy complete on return
     (the host buffers are rewritten by the next prefetch)."""
     dtype = state.buf_k.dtype
+    stats = self.runtime(state).stats
 
     def to_device(buf_k, buf_v, valid):
+      t0 = time.perf_counter()
       put = lambda rows: jnp.asarray(rows.view(jnp.bfloat16) if dtype == jnp.bfloat16 else rows, dtype)
-      return jax.block_until_ready((put(buf_k), put(buf_v), jnp.asarray(valid)))
+      rows = jax.block_until_ready((put(buf_k), put(buf_v), jnp.asarray(valid)))
+      stats.transfer_seconds += time.perf_counter() - t0
+      stats.transfer_bytes += buf_k.nbytes + buf_v.nbytes + valid.nbytes
+      return rows
     return to_device
 
   def _prefetch(self, cfg, state: RetrievalState, *step):
