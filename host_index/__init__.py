@@ -8,6 +8,7 @@ Public API:
   build_index(keys, *, kind, ...) -> Index   standalone index over [N, D] keys
   Index.search / insert / len                 one API for flat, ivf, graph, roar
   KVStore                                     per (seq, layer) head-major K/V store
+  assign_slots(held, wanted)                  slot writes that keep held ids in place
   HostContext                                 store + per-(seq, layer, head) indexes:
                                               build_layer, insert / insert_many, attend,
                                               search, attend_ids, fetch_pages, save / load
@@ -18,6 +19,7 @@ from host_index._index import DEFAULT_PARAMS
 from host_index._index import Index
 from host_index._index import build_index
 from host_index._persist import CorruptFileError
+from host_index._slots import assign_slots
 from host_index._store import KVStore
 from host_index._store import StoreFullError
 
@@ -28,5 +30,6 @@ __all__ = [
     "Index",
     "KVStore",
     "StoreFullError",
+    "assign_slots",
     "build_index",
 ]

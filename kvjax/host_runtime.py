@@ -71,8 +71,11 @@ class HostStats:
   background_seconds: float = 0.0  # speculative: search time in the background thread
   callback_seconds: float = 0.0
   step_wait_seconds: float = 0.0  # bridge="per_step", lag 2: waiting for the background prefetch
-  transfer_seconds: float = 0.0  # bridge="per_step": copying the step's rows to the device (lag 2: off the critical path)
-  transfer_bytes: int = 0  # bridge="per_step": host -> device bytes of those rows
+  search_seconds: float = 0.0  # bridge="per_step": the step's searches (inside attend_seconds)
+  gather_seconds: float = 0.0  # bridge="per_step": slot assignment + gathering entering rows (inside attend_seconds)
+  transfer_seconds: float = 0.0  # bridge="per_step": copying the step's row update to the device (lag 2: off the critical path)
+  transfer_bytes: int = 0  # bridge="per_step": host -> device bytes of those updates
+  shipped_rows: int = 0  # bridge="per_step": (slot, row) writes sent, padding excluded
   inserted_tokens: int = 0
   unindexed_attended: int = 0  # stored-not-yet-indexed tokens attended exactly, summed over layers
   scanned: int = 0
@@ -295,17 +298,25 @@ def reuse_hits(
   used, fresh = np.asarray(used, np.int64), np.asarray(fresh, np.int64)
   rows_count = int(np.prod(used.shape[:-1]))
   used, fresh = used.reshape(rows_count, used.shape[-1]), fresh.reshape(rows_count, fresh.shape[-1])
-  if used.size == 0:
-    return 0, 0
-  # Offset each row into its own id range so one sorted search covers every row.
-  span = int(max(used.max(initial=-1), fresh.max(initial=-1))) + 2
-  rows = np.arange(used.shape[0], dtype=np.int64)[:, None] * span
-  keys = np.sort((fresh + 1 + rows).ravel())  # -1 maps to the row's slot 0
-  valid = used >= 0
-  probe = (used + 1 + rows)[valid]
-  at = np.minimum(np.searchsorted(keys, probe), max(keys.size - 1, 0))
-  hits = int(np.count_nonzero(keys[at] == probe)) if keys.size else 0
-  return hits, int(np.count_nonzero(valid))
+  found = row_membership(used, fresh)
+  return int(np.count_nonzero(found)), int(np.count_nonzero(used >= 0))
+
+
+def row_membership(
+    a,  # [R, n] int64 ids (-1 = none)
+    b,  # [R, m] int64 ids (-1 = none)
+):
+  """[R, n] bool: a[r, i] >= 0 and a[r, i] occurs in row r of b; one sorted search for all rows."""
+  if a.size == 0 or b.size == 0:
+    return np.zeros(a.shape, bool)
+  # Offset each row into its own id range so one sorted search covers every row; rows sorted
+  # one by one and offset are sorted as a whole (cheaper than one global sort).
+  span = int(max(a.max(), b.max())) + 2
+  rows = np.arange(a.shape[0], dtype=np.int64)[:, None] * span
+  keys = (np.sort(b, axis=1) + 1 + rows).ravel()  # -1 maps to the row's slot 0
+  probe = a + 1 + rows
+  at = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
+  return (keys[at] == probe) & (a >= 0)
 
 
 def _with_unindexed(

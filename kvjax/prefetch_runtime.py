@@ -12,9 +12,16 @@ exports every layer's query and the token it evicted; between steps the host
      the device computed the step that just ended),
   2. stores the tokens evicted by the step that just ended (a copy; indexed in the background),
   3. searches every layer's index with that step's queries, top-k per query head, all cores,
-  4. gathers the selected rows, plus every stored-but-unindexed token (so nothing is lost),
-     into [L, B, Hq, slots, D] buffers that the caller copies to the device for the next step,
+  4. compares each head's new selection (top-k plus every stored-but-unindexed token, so
+     nothing is lost) with what its device slots hold, and gathers only the rows that enter:
+     a `RowUpdate` the caller copies to the device and scatters into its [L, B, Hq, slots, D]
+     buffers (ids kept from one step to the next keep their slot and are not sent again),
   5. starts the indexing of the new tokens on a background thread.
+
+Sending only entering rows matters: the whole [L, B, Hq, slots, D] K and V buffers are 56 MiB
+per step for Llama-3-8B shapes, 9.6 ms at the ~6 GB/s of a pageable host->device copy
+(experiments/results/bench_decode_8b_8k_per_step_c.md); consecutive selections share 30-60% of
+their ids (the hit rate), more for the tail and for heads whose query barely moved.
 
 The selection used at step t+1 was searched with the query of step t: speculative reuse with
 a one-step lag for every head and no synchronous correction (a correction would need the
@@ -34,9 +41,33 @@ import collections
 import concurrent.futures
 import time
 
+from typing import NamedTuple
+
 import numpy as np
 
+import host_index
 from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
+
+
+class RowUpdate(NamedTuple):
+  """Host -> device change of the per_step row buffers: slot dest[i] of the flattened
+  [L, B, Hq, slots] buffers takes store id ids[i] (-1 = emptied) and rows k[i], v[i]. Padded to
+  a few static sizes (entries past `count` have distinct out-of-range dest: dropped)."""
+
+  dest: np.ndarray  # [n] int32 flat slot index into [L * B * Hq * slots]
+  ids: np.ndarray  # [n] int32 store id now in that slot, -1 = empty
+  k: np.ndarray  # [n, D] storage dtype (bfloat16 as uint16 bits)
+  v: np.ndarray  # [n, D]
+  count: int  # real entries (the rest is padding)
+
+
+def padded_size(n: int) -> int:
+  """A static size >= n from a short geometric ladder (ratio 2^(1/4), multiples of 64), so a
+  handful of compiled scatter shapes serve every step and padding stays under ~26%."""
+  if n <= 64:
+    return 64
+  size = 2.0 ** (np.ceil(4 * np.log2(n)) / 4)
+  return int(-(-int(np.ceil(size)) // 64) * 64)
 
 
 class PrefetchRuntime(HostRuntime):
@@ -56,6 +87,9 @@ class PrefetchRuntime(HostRuntime):
     self._buffers = None
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
     self._next = None  # lag 2: the future of the next step's rows
+    # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
+    # updates returned so far leave it; None until the first step (or set from a loaded state).
+    self.slot_ids = None
     # Per layer, the ids [B, Hq, slots] of the steps selected for but not scored yet, oldest
     # first: the head is what the step that just ended used.
     self._selections: dict[int, collections.deque] = collections.defaultdict(collections.deque)
@@ -65,11 +99,11 @@ class PrefetchRuntime(HostRuntime):
     super().close()
 
   def start_prefetch(self, to_device, *step_args) -> None:
-    """Lag 2: runs `to_device(*prefetch_step(*step_args))` on the prefetch thread; the result
+    """Lag 2: runs `to_device(prefetch_step(*step_args))` on the prefetch thread; the result
     serves the step after next (see the module docstring)."""
     if self._next is not None:
       raise RuntimeError("a prefetch is already pending: take it first")
-    self._next = self._prefetcher.submit(lambda: to_device(*self.prefetch_step(*step_args)))
+    self._next = self._prefetcher.submit(lambda: to_device(self.prefetch_step(*step_args)))
 
   def take_prefetched(self):
     """The pending prefetch's result (waited for), or None when none was started."""
@@ -98,9 +132,9 @@ class PrefetchRuntime(HostRuntime):
       evicted_v,  # [L, B, Hkv, D]
       evicted_q,  # [L, B, Hq, D]: that token's own query (roar links the new key through it)
       evicted_pos,  # [L, B] int: its absolute position, -1 where none left
-  ):
-    """Steps 1-5 of the module docstring -> (k [L, B, Hq, slots, D], v, valid [L, B, Hq, slots])
-    with k and v in the store's numpy dtype (bfloat16 as uint16 bits), zero where not valid."""
+  ) -> RowUpdate:
+    """Steps 1-5 of the module docstring -> the RowUpdate that turns the device buffers (as
+    `slot_ids` records them) into the next step's selection; `slot_ids` is advanced to it."""
     t0 = time.perf_counter()
     self._wait_background(-1)
     t1 = time.perf_counter()
@@ -117,13 +151,14 @@ class PrefetchRuntime(HostRuntime):
     t2 = time.perf_counter()
     self.stats.insert_seconds += t2 - t1
 
-    store = self.context.store
-    out_k, out_v = self._step_buffers((L, B, Hq, self.slots, D), store.buffers(0, 0)[0].dtype)
-    valid = np.zeros((L, B, Hq, self.slots), bool)
-    kv_of_q = np.arange(Hq) // self.context.group
     found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned)
+    t3 = time.perf_counter()
+    self.stats.search_seconds += t3 - t2
+    if self.slot_ids is None:
+      self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
+    wanted = self.slot_ids.copy()  # the selections, in no slot order; dense layers' stay empty
     for layer, ids in zip(layers, found):
       queue = self._selections[layer]
       if queue:  # what the step that just ended used, against that step's own query's result
@@ -131,33 +166,58 @@ class PrefetchRuntime(HostRuntime):
         self.stats.reused_hits += hits
         self.stats.reused_total += total
       tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
-      ids = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
-      queue.append(ids)
-      for b in range(B):  # one threaded C copy (NumPy fancy indexing took ~50 ms per step at 8B shapes)
-        store.gather_rows(b, layer, kv_of_q[:, None], ids[b], out_k=out_k[layer, b], out_v=out_v[layer, b],
-                          threads=self.search_threads)
-      valid[layer] = ids >= 0
-      self.stats.unindexed_attended += int(np.sum(ids[:, 0, self.topk:] >= 0))
-    t3 = time.perf_counter()
-    self.stats.attend_seconds += t3 - t2
+      wanted[layer] = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
+      queue.append(wanted[layer])
+      self.stats.unindexed_attended += int(np.sum(tail[:, 0] >= 0))
+    update = self._gather_update(wanted)  # advances slot_ids
+    self.stats.gather_seconds += time.perf_counter() - t3
+    self.stats.attend_seconds += time.perf_counter() - t2
     self._submit_background(-1, None)
     self.stats.callbacks += 1
     self.stats.callback_seconds += time.perf_counter() - t0
-    return out_k, out_v, valid
+    return update
 
-  def _step_buffers(self, shape, dtype):
-    """The [L, B, Hq, slots, D] K and V buffers of a step; dense layers' rows stay zero.
+  def _gather_update(self, wanted) -> RowUpdate:
+    """The RowUpdate from `slot_ids` to `wanted` [L, B, Hq, slots] (slot_ids advanced to it):
+    entering rows gathered from the store in one threaded C call per (layer, seq)."""
+    L, B, Hq, S = wanted.shape
+    dest, ids = host_index.assign_slots(self.slot_ids.reshape(-1, S), wanted.reshape(-1, S),
+                                        threads=self.search_threads)
+    self.slot_ids = self.slot_ids.copy()  # earlier selections (kept for hit rates) stay as they were
+    self.slot_ids.reshape(-1)[dest] = ids
+    n, size = dest.size, padded_size(dest.size)
+    store = self.context.store
+    dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
+    out_k, out_v = self._step_buffers(size, padded_size(L * B * Hq * S), D, dtype)
+    per_group = Hq * S  # slots of one (layer, seq), contiguous in dest order
+    bounds = np.searchsorted(dest, np.arange(L * B + 1) * per_group)
+    for group in np.flatnonzero(np.diff(bounds)):
+      layer, b = divmod(int(group), B)
+      lo, hi = bounds[group], bounds[group + 1]
+      heads = (dest[lo:hi] % per_group) // S // self.context.group
+      store.gather_rows(b, layer, heads, ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
+                        threads=self.search_threads)  # id -1: a zero row
+    out_k[n:] = 0
+    out_v[n:] = 0
+    pad = L * B * Hq * S + np.arange(size - n)  # distinct and out of range: dropped by the scatter
+    self.stats.shipped_rows += n
+    return RowUpdate(dest=np.concatenate([dest, pad]).astype(np.int32),
+                     ids=np.concatenate([ids, np.full(size - n, -1)]).astype(np.int32),
+                     k=out_k, v=out_v, count=n)
 
-    With `reuse_buffers` the same two arrays serve every step: the caller's copy to the device
-    of one step's buffers must be complete before the next `prefetch_step` (lag 1: the step
-    that reads it has ended; lag 2: the policy's `to_device` blocks until the copy is ready). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box);
-    the caller must not reuse them where the device may alias host memory (JAX on the CPU)."""
-    if self.reuse_buffers and self._buffers is not None and self._buffers[0].shape == shape:
-      return self._buffers
-    buffers = np.zeros(shape, dtype), np.zeros(shape, dtype)
-    if self.reuse_buffers:
-      self._buffers = buffers
-    return buffers
+  def _step_buffers(self, n: int, most: int, head_dim: int, dtype):
+    """The [n, D] K and V rows of a step's update (n <= most, the largest update).
+
+    With `reuse_buffers` one pair of [most, D] arrays serves every step: the caller's
+    copy to the device of one step's update must be complete before the next `prefetch_step`
+    (lag 1: the step that reads it has ended; lag 2: the policy's `to_device` blocks until the
+    copy is ready). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev
+    box); the caller must not reuse them where the device may alias host memory (JAX on the CPU)."""
+    if not self.reuse_buffers:
+      return np.empty((n, head_dim), dtype), np.empty((n, head_dim), dtype)
+    if self._buffers is None or self._buffers[0].shape != (most, head_dim) or self._buffers[0].dtype != dtype:
+      self._buffers = np.empty((most, head_dim), dtype), np.empty((most, head_dim), dtype)
+    return self._buffers[0][:n], self._buffers[1][:n]
 
   def _tail_ids(self, layer: int, batch: int):
     """Store ids [B, 1, tail_slots] (-1 padded) of each sequence's stored, unindexed tokens."""

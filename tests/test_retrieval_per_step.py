@@ -15,7 +15,7 @@ import kvjax
 from kvjax import host_runtime
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime
+from kvjax.prefetch_runtime import PrefetchRuntime, padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
 
@@ -75,6 +75,22 @@ def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat"):
                          background_threads=1)
 
 
+class DeviceMirror:
+  """What the device's row buffers hold after the updates applied so far (a NumPy twin of
+  retrieval._scatter_rows)."""
+
+  def __init__(self, L, B, Hq, slots, D, dtype=np.float32):
+    self.k, self.v = np.zeros((2, L, B, Hq, slots, D), dtype)
+    self.ids = np.full((L, B, Hq, slots), -1, np.int64)
+
+  def apply(self, update):
+    real = slice(0, update.count)
+    assert np.all(update.dest[update.count:] >= self.ids.size)  # padding lands out of range
+    for buf, new in ((self.k, update.k), (self.v, update.v), (self.ids, update.ids)):
+      buf.reshape(-1, *new.shape[1:])[update.dest[real]] = new[real]
+    return self.k, self.v, self.ids >= 0
+
+
 def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
   rng = np.random.default_rng(0)
   L, Hkv, n, D, topk = 2, 2, 40, 16, 5
@@ -86,24 +102,23 @@ def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
   evicted_q = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
   evicted_pos = np.array([[runtime.sinks + n], [-1]])  # layer 0 evicts the token after the stored ones
   try:
-    k, v, valid = runtime.prefetch_step([0, 1], queries, evicted_k, evicted_v, evicted_q, evicted_pos)
-    assert k.shape == (L, 1, Hq, topk + runtime.tail_slots, D) and valid.shape == k.shape[:-1]
+    update = runtime.prefetch_step([0, 1], queries, evicted_k, evicted_v, evicted_q, evicted_pos)
+    k, v, valid = DeviceMirror(L, 1, Hq, topk + runtime.tail_slots, D).apply(update)
+    assert update.count == int(valid.sum())  # a first step ships every selected row, nothing else
     for layer in range(L):
       for h in range(Hq):
         scores = keys[layer, h // 2] @ queries[layer, 0, h]
         expect = set(np.argsort(-scores)[:topk])
-        got = valid[layer, 0, h]
-        assert set(np.flatnonzero(got[:topk])) == set(range(topk))
-        rows = k[layer, 0, h, :topk]
-        found = {int(np.flatnonzero((keys[layer, h // 2] == row).all(axis=1))[0]) for row in rows}
-        assert found == expect  # the exact top-k's own rows
-        np.testing.assert_array_equal(v[layer, 0, h, :topk], values[layer, h // 2, sorted(found, key=lambda i: -scores[i])])
-      tail_valid = valid[layer, 0, :, topk:]
-      if layer == 0:  # the evicted token is stored, not yet indexed: attended through the tail
-        assert tail_valid[:, 0].all() and not tail_valid[:, 1:].any()
-        np.testing.assert_array_equal(k[layer, 0, :, topk], np.repeat(evicted_k[0, 0], 2, axis=0))
-      else:
-        assert not tail_valid.any()
+        slots = np.flatnonzero(valid[layer, 0, h])
+        store = np.concatenate([keys[layer, h // 2], evicted_k[layer, 0, h // 2][None]])  # the evicted one is id n
+        found = {int(np.flatnonzero((store == row).all(axis=1))[0]) for row in k[layer, 0, h, slots]}
+        expect_all = expect | ({n} if layer == 0 else set())  # layer 0's evicted token: stored, not indexed yet
+        assert found == expect_all  # the exact top-k's own rows, plus every unindexed token
+        np.testing.assert_array_equal(runtime.slot_ids[layer, 0, h, slots] >= 0, True)
+        for slot in slots:
+          i = int(runtime.slot_ids[layer, 0, h, slot])
+          row_v = values[layer, h // 2, i] if i < n else evicted_v[layer, 0, h // 2]
+          np.testing.assert_array_equal(v[layer, 0, h, slot], row_v)
     runtime._wait_background(-1)
     assert runtime.context.indexed(0, 0) == n + 1  # indexed by the background job
   finally:
@@ -170,22 +185,43 @@ def test_refused_over_several_devices():
     ShardedPolicy(inner=RetrievalAttention(bridge="per_step"), mesh=head_mesh(1))
 
 
-def test_reused_step_buffers_hold_the_latest_selection():
+def test_updates_ship_only_entering_rows_and_keep_the_buffers_exact():
   rng = np.random.default_rng(2)
   keys, values = rng.standard_normal((2, 2, 1, 30, 8), dtype=np.float32)
-  runtime = _runtime(keys, values, topk=3)
-  runtime.reuse_buffers = True  # as on a GPU
+  mirror = DeviceMirror(2, 1, 2, 3 + 4, 8)
   none = np.full((2, 1), -1)
   ek = np.zeros((2, 1, 1, 8), np.float32)
   eq = np.zeros((2, 1, 2, 8), np.float32)
-  try:
-    first = runtime.prefetch_step([0, 1], rng.standard_normal((2, 1, 2, 8), dtype=np.float32), ek, ek, eq, none)
-    queries = rng.standard_normal((2, 1, 2, 8), dtype=np.float32)
-    second = runtime.prefetch_step([0, 1], queries, ek, ek, eq, none)
-    assert second[0] is first[0] and second[1] is first[1]
-    for layer in range(2):
-      for h in range(2):
-        best = np.argsort(-(keys[layer, 0] @ queries[layer, 0, h]))[:3]
-        np.testing.assert_array_equal(second[0][layer, 0, h, :3], keys[layer, 0, best])
-  finally:
-    runtime.close()
+  for reuse in (False, True):  # reused host buffers (as on a GPU) must not change the result
+    runtime = _runtime(keys, values, topk=3)
+    runtime.reuse_buffers = reuse
+    mirror = DeviceMirror(2, 1, 2, 3 + 4, 8)
+    try:
+      queries = rng.standard_normal((2, 1, 2, 8), dtype=np.float32)
+      mirror.apply(runtime.prefetch_step([0, 1], queries, ek, ek, eq, none))
+      moved = queries + 0.05 * rng.standard_normal(queries.shape, dtype=np.float32)  # a small drift
+      update = runtime.prefetch_step([0, 1], moved, ek, ek, eq, none)
+      k, v, valid = mirror.apply(update)
+      changed = 0
+      for layer in range(2):
+        for h in range(2):
+          best = set(np.argsort(-(keys[layer, 0] @ moved[layer, 0, h]))[:3])
+          before = set(np.argsort(-(keys[layer, 0] @ queries[layer, 0, h]))[:3])
+          changed += len(best - before)
+          held = {int(i) for i in mirror.ids[layer, 0, h] if i >= 0}
+          assert held == best
+          for slot in np.flatnonzero(valid[layer, 0, h]):
+            i = mirror.ids[layer, 0, h, slot]
+            np.testing.assert_array_equal(k[layer, 0, h, slot], keys[layer, 0, i])
+            np.testing.assert_array_equal(v[layer, 0, h, slot], values[layer, 0, i])
+      assert update.count == changed  # only the rows that entered were sent (no ids left without a successor)
+      np.testing.assert_array_equal(runtime.slot_ids, mirror.ids)
+    finally:
+      runtime.close()
+
+
+def test_padded_size_is_a_short_ladder():
+  sizes = [padded_size(n) for n in range(0, 20000, 7)]
+  assert all(s >= n and s % 64 == 0 for s, n in zip(sizes, range(0, 20000, 7)))
+  assert max(s / n for s, n in zip(sizes, range(0, 20000, 7)) if n > 512) < 1.27
+  assert len(set(sizes)) < 40

@@ -249,3 +249,60 @@ int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap
   }
   return HI_OK;
 }
+
+/* Open addressing over a row's wanted ids: table[] holds indices into wanted (-1 = empty). */
+static int64_t *slot_probe(int64_t *table, int64_t mask, const int64_t *wanted, int64_t id) {
+  uint64_t h = (uint64_t)id * 0x9E3779B97F4A7C15ull;
+  for (int64_t at = (int64_t)(h >> 32) & mask;; at = (at + 1) & mask)
+    if (table[at] < 0 || wanted[table[at]] == id) return &table[at];
+}
+
+int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64_t S, int64_t *writes,
+                    int threads) {
+  for (int64_t i = 0; i < R * S; i++)
+    if (held[i] < -1 || wanted[i] < -1) return HI_EINVAL;
+  int64_t size = 2;
+  while (size < 2 * S) size *= 2;
+  int err = HI_OK;
+#pragma omp parallel num_threads(hi_team(threads, R, R * S * 8))
+  {
+    /* per thread: the hash table, then a "present in held" flag per wanted entry */
+    int64_t *table = malloc((size_t)(size + S) * sizeof(int64_t));
+    if (!table) {
+#pragma omp atomic write
+      err = HI_ENOMEM;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+      if (!table) continue;
+      const int64_t *h = held + r * S, *w = wanted + r * S;
+      int64_t *out = writes + r * S, *kept = table + size;
+      for (int64_t i = 0; i < size; i++) table[i] = -1;
+      for (int64_t j = 0; j < S; j++) {
+        kept[j] = 0;
+        if (w[j] < 0) continue;
+        int64_t *e = slot_probe(table, size - 1, w, w[j]);
+        if (*e < 0) *e = j; /* a repeated id keeps its first entry */
+      }
+      for (int64_t s = 0; s < S; s++) { /* held ids still wanted stay put; the rest is free (-3) */
+        out[s] = -3;
+        if (h[s] < 0) continue;
+        const int64_t *e = slot_probe(table, size - 1, w, h[s]);
+        if (*e >= 0 && !kept[*e]) {
+          kept[*e] = 1;
+          out[s] = -2;
+        }
+      }
+      int64_t s = 0;
+      for (int64_t j = 0; j < S; j++) { /* entering ids take the free slots, first free first */
+        if (w[j] < 0 || kept[j] || *slot_probe(table, size - 1, w, w[j]) != j) continue;
+        while (out[s] != -3) s++; /* |wanted| <= S: a free slot is left */
+        out[s] = w[j];
+      }
+      for (int64_t t = 0; t < S; t++) /* free slots left over: emptied if they held an id */
+        if (out[t] == -3) out[t] = h[t] >= 0 ? -1 : -2;
+    }
+    free(table);
+  }
+  return err;
+}

@@ -56,6 +56,15 @@ int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap
                    int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
                    void *out_v, int threads);
 
+/* Slot writes that make each row r < R of held ([R, S] store ids, -1 = empty)
+ * hold the valid ids of the same row of wanted ([R, S], -1 = none): writes[r, s]
+ * = -2 (untouched: empty and staying so, or holding an id still wanted), -1
+ * (emptied), or the id entering slot s. Entering ids take free slots in slot
+ * order, in the order they appear in wanted; a repeated id counts once. Ids
+ * below -1 are HI_EINVAL (nothing written). */
+int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64_t S, int64_t *writes,
+                    int threads);
+
 /* Threads for `tasks` independent tasks of about `work` scalar operations in
  * all: at most the requested count (hi_threads), the task count, and one per
  * HI_MIN_WORK operations, so small calls skip the cost of waking a team. */

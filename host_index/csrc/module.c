@@ -854,6 +854,37 @@ static PyObject *py_gather_rows(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* assign_slots(held, wanted, R, S, writes, threads) */
+static PyObject *py_assign_slots(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ho, *wo, *oo;
+  Py_ssize_t R, S;
+  int threads;
+  if (!PyArg_ParseTuple(args, "OOnnOi", &ho, &wo, &R, &S, &oo, &threads)) return NULL;
+  if (R < 0 || S < 0) {
+    PyErr_SetString(PyExc_ValueError, "assign_slots: bad sizes");
+    return NULL;
+  }
+  Py_buffer b[3];
+  const Py_ssize_t need = R * S * 8;
+  if (get_buf(ho, &b[0], 0, need, "held") < 0) return NULL;
+  if (get_buf(wo, &b[1], 0, need, "wanted") < 0) {
+    PyBuffer_Release(&b[0]);
+    return NULL;
+  }
+  if (get_buf(oo, &b[2], 1, need, "writes") < 0) {
+    PyBuffer_Release(&b[0]);
+    PyBuffer_Release(&b[1]);
+    return NULL;
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_assign_slots(b[0].buf, b[1].buf, R, S, b[2].buf, threads);
+  Py_END_ALLOW_THREADS
+  for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *mod, PyObject *unused) {
   (void)mod;
   (void)unused;
@@ -870,6 +901,7 @@ static PyMethodDef module_methods[] = {
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
     {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
+    {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {

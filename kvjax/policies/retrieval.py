@@ -28,6 +28,7 @@ callback per layer (each costs 0.4-0.6 ms on the H200 however little the host do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -61,7 +62,7 @@ class RetrievalState:
   # what the step hands back to the host.
   buf_k: jax.Array  # [L, B, Hq, slots, D] rows retrieved with the previous step's queries
   buf_v: jax.Array  # [L, B, Hq, slots, D]
-  buf_valid: jax.Array  # [L, B, Hq, slots] bool
+  buf_ids: jax.Array  # [L, B, Hq, slots] int32 store id in each slot, -1 = empty (not attended)
   step_q: jax.Array  # [L, B, Hq, D] float32: this step's queries
   step_evicted_k: jax.Array  # [L, B, Hkv, D]: the token leaving each layer's window this step
   step_evicted_v: jax.Array  # [L, B, Hkv, D]
@@ -178,7 +179,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
         runtime_id=jnp.int32(runtime.id), status=jnp.int32(0),
         buf_k=jnp.zeros((n, batch, Hq, slots, D), dtype), buf_v=jnp.zeros((n, batch, Hq, slots, D), dtype),
-        buf_valid=jnp.zeros((n, batch, Hq, slots), bool), step_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
+        buf_ids=jnp.full((n, batch, Hq, slots), -1, jnp.int32), step_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
         step_evicted_k=jnp.zeros((n, batch, Hkv, D), dtype), step_evicted_v=jnp.zeros((n, batch, Hkv, D), dtype),
         step_evicted_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
         step_evicted_pos=jnp.full((n, batch), -1, jnp.int32),
@@ -205,7 +206,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step" and slots != self.topk + self.tail_slots:
       raise ValueError(f"topk={self.topk}: this per_step context was prefilled with buffers of {slots} rows "
                        f"= topk + tail_slots ({self.tail_slots}); topk cannot change at decode with per_step")
-    return super().attach_host(cfg, state, context)
+    state = super().attach_host(cfg, state, context)
+    if self.bridge == "per_step":  # the host's record of what the loaded device buffers hold
+      self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
+    return state
 
   def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
     self.check(state)
@@ -219,38 +223,38 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     # while the device computes the next step, which uses the rows selected one step earlier.
     # None pending = the first step after prefill (or a load): its rows were selected by the
     # last prompt token's query, as the current ones.
-    rows = runtime.take_prefetched()
-    if rows is None:
-      rows = (state.buf_k, state.buf_v, state.buf_valid)
+    update = runtime.take_prefetched()
+    if update is None:
       runtime.repeat_selection()
-    runtime.start_prefetch(self._rows_to_device(state), self._sparse_layers(cfg), *_host_arrays(step))
-    return state.replace(buf_k=rows[0], buf_v=rows[1], buf_valid=rows[2])
+    runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *_host_arrays(step))
+    return state if update is None else _apply_update(state, update)
 
   def _sparse_layers(self, cfg) -> list[int]:
     dense = set(self.dense_layer_ids(cfg))
     return [l for l in range(cfg.num_layers) if l not in dense]
 
-  def _rows_to_device(self, state: RetrievalState):
-    """numpy rows (store dtype; bfloat16 as uint16 bits) -> device arrays, copy complete on return
-    (the host buffers are rewritten by the next prefetch)."""
+  def _update_to_device(self, state: RetrievalState):
+    """A RowUpdate (numpy; bfloat16 rows as uint16 bits) -> its arrays on the device, copy
+    complete on return (the host buffers are rewritten by the next prefetch)."""
     dtype = state.buf_k.dtype
     stats = self.runtime(state).stats
 
-    def to_device(buf_k, buf_v, valid):
+    def to_device(update):
       t0 = time.perf_counter()
-      put = lambda rows: jnp.asarray(rows.view(jnp.bfloat16) if dtype == jnp.bfloat16 else rows, dtype)
-      rows = jax.block_until_ready((put(buf_k), put(buf_v), jnp.asarray(valid)))
+      rows = lambda a: jnp.asarray(a.view(jnp.bfloat16) if dtype == jnp.bfloat16 else a, dtype)
+      on_device = jax.block_until_ready(
+          (jnp.asarray(update.dest), jnp.asarray(update.ids), rows(update.k), rows(update.v)))
       stats.transfer_seconds += time.perf_counter() - t0
-      stats.transfer_bytes += buf_k.nbytes + buf_v.nbytes + valid.nbytes
-      return rows
+      stats.transfer_bytes += sum(a.nbytes for a in (update.dest, update.ids, update.k, update.v))
+      return on_device
     return to_device
 
   def _prefetch(self, cfg, state: RetrievalState, *step):
-    """Runs the host's per-step work now (kvjax.prefetch_runtime) and puts the next step's rows
-    on the device. step: queries, evicted k, v, q and positions of the step that just ended."""
-    rows = self._rows_to_device(state)(*self.runtime(state).prefetch_step(self._sparse_layers(cfg),
-                                                                          *_host_arrays(step)))
-    return state.replace(buf_k=rows[0], buf_v=rows[1], buf_valid=rows[2])
+    """Runs the host's per-step work now (kvjax.prefetch_runtime) and applies the resulting row
+    update to the device buffers. step: queries, evicted k, v, q and positions of the step that
+    just ended."""
+    update = self.runtime(state).prefetch_step(self._sparse_layers(cfg), *_host_arrays(step))
+    return _apply_update(state, self._update_to_device(state)(update))
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
@@ -335,7 +339,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(recent_k[layer], G, axis=1)], axis=2)
     rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(recent_v[layer], G, axis=1)], axis=2)
     recent_valid = jnp.broadcast_to((recent_pos[layer] >= 0)[:, None, :], (B, q0.shape[1], self.lag))
-    valid = jnp.concatenate([state.buf_valid[layer], recent_valid], axis=2)
+    valid = jnp.concatenate([state.buf_ids[layer] >= 0, recent_valid], axis=2)
     o_rows, lse_rows = attend_rows(q0, rows_k, rows_v, valid, scale=cfg.attn_scale)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     state = state.replace(
@@ -403,6 +407,27 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       state = self._prefetch(cfg, state, last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
                              none)
     return state
+
+
+def _apply_update(state: RetrievalState, update) -> RetrievalState:
+  """Scatters a RowUpdate already on the device into the state's row buffers, in place."""
+  buf_k, buf_v, buf_ids = _scatter_rows(state.buf_k, state.buf_v, state.buf_ids, *update)
+  return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _scatter_rows(
+    buf_k,  # [L, B, Hq, slots, D]
+    buf_v,  # [L, B, Hq, slots, D]
+    buf_ids,  # [L, B, Hq, slots] int32
+    dest,  # [n] int32 flat slot indices (distinct; out of range = padding, dropped)
+    ids,  # [n] int32
+    rows_k,  # [n, D]
+    rows_v,  # [n, D]
+):
+  put = lambda buf, new: buf.reshape(-1, *new.shape[1:]).at[dest].set(
+      new, mode="drop", unique_indices=True).reshape(buf.shape)
+  return put(buf_k, rows_k), put(buf_v, rows_v), put(buf_ids, ids)
 
 
 def _host_arrays(step):
