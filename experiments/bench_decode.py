@@ -4,7 +4,8 @@
 
 Each policy prefills the same random prompt (random weights: timing only — search cost,
 correction and hit rates depend on the vectors and must be measured on real models) and
-decodes `--steps` tokens. Rows: decode ms/token (median, first step dropped), prefill and
+decodes `--steps` tokens. Rows: decode ms/token (median, first step dropped; split into the
+jitted step up to its sampled token and the policy's host work between steps), prefill and
 index-build seconds, device bytes of the policy state, and the policy's host counters per
 step (callback, insert, search + attention, background search, correction and hit rates,
 recalled bytes). `retrieval` and `retrieval_spec` differ only in decode options, so they share
@@ -108,6 +109,9 @@ def run(model, key: str, context_len: int, batch: int, saved: dict, scratch: pat
   row = dict(policy=key, describe=result.policy, context=context_len, batch=batch,
              decode_ms=round(result.ms_per_token, 3), prefill_and_index_s=round(prefill_total, 2),
              state_bytes=result.kv_bytes, peak_device_bytes=result.peak_device_bytes)
+  if result.after_step_seconds:  # the jitted step vs the host work between steps, medians
+    row["jitted_step_ms"] = round(1e3 * float(np.median(np.subtract(result.decode_seconds, result.after_step_seconds))), 3)
+    row["after_step_ms"] = round(1e3 * float(np.median(result.after_step_seconds)), 3)
   for stat, value in result.policy_stats.items():
     if stat.endswith("_seconds"):
       row[f"{stat[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)

@@ -36,6 +36,8 @@ class GenerationResult:
     prefill_seconds: wall time of the whole prefill (compilation included on a first call).
     decode_seconds: per-step wall times (the first step, which compiles, is dropped when
       there is more than one).
+    after_step_seconds: the part of each of those steps spent in the policy's host work
+      between steps (`after_step`), the rest being the jitted step up to its sampled token.
     policy: the policy description.
     kv_bytes: bytes of the policy state on the device.
     peak_device_bytes: the device allocator's peak, where the backend reports it.
@@ -53,6 +55,7 @@ class GenerationResult:
   peak_device_bytes: int | None
   logits: np.ndarray | None = None
   policy_stats: dict = dataclasses.field(default_factory=dict)
+  after_step_seconds: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def ms_per_token(self) -> float:
@@ -300,7 +303,7 @@ def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logi
   generated: list[list[int]] = [[] for _ in range(batch)]
   done = np.zeros(batch, bool)
   step_logits = [np.asarray(logits)] if return_logits else []
-  step_seconds = []
+  step_seconds, after_seconds = [], []
   positions = np.asarray(context.prompt_lengths, np.int32)
   for step in range(max_new_tokens):
     for b in range(batch):
@@ -317,8 +320,10 @@ def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logi
         model.params, rope, jnp.asarray(next_tokens), jnp.asarray(positions), state, sub,
         cfg=cfg, policy=attention, sampling=sampling)
     next_tokens = np.asarray(out)  # waits for the step
+    t1 = time.perf_counter()
     state = attention.after_step(cfg, state)
     step_seconds.append(time.perf_counter() - t0)
+    after_seconds.append(time.perf_counter() - t1)
     if return_logits:
       step_logits.append(np.asarray(logits))
     positions = positions + 1
@@ -337,6 +342,7 @@ def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logi
       peak_device_bytes=_device_peak_bytes(),
       logits=np.stack(step_logits) if return_logits else None,
       policy_stats=attention.stats(state),
+      after_step_seconds=after_seconds[1:] if len(after_seconds) > 1 else after_seconds,
   )
 
 

@@ -432,7 +432,7 @@ def _scatter_rows(
 
 def _host_arrays(step):
   """(queries, evicted k, v, q, positions) of a step as host arrays for kvjax.prefetch_runtime."""
-  queries, evicted_k, evicted_v, evicted_q, evicted_pos = step
+  queries, evicted_k, evicted_v, evicted_q, evicted_pos = jax.device_get(step)  # copies start together
   return (np.asarray(queries, np.float32), np.asarray(evicted_k), np.asarray(evicted_v),
           np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
 
