@@ -52,7 +52,8 @@ from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
 class RowUpdate(NamedTuple):
   """Host -> device change of the per_step row buffers: slot dest[i] of the flattened
   [L, B, Hq, slots] buffers takes store id ids[i] (-1 = emptied) and rows k[i], v[i]. Padded to
-  a few static sizes (entries past `count` have distinct out-of-range dest: dropped)."""
+  a few static sizes (entries past `count` have distinct out-of-range dest, so the scatter
+  drops them, and unspecified rows)."""
 
   dest: np.ndarray  # [n] int32 flat slot index into [L * B * Hq * slots]
   ids: np.ndarray  # [n] int32 store id now in that slot, -1 = empty
@@ -197,8 +198,6 @@ class PrefetchRuntime(HostRuntime):
       heads = (dest[lo:hi] % per_group) // S // self.context.group
       store.gather_rows(b, layer, heads, ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
                         threads=self.search_threads)  # id -1: a zero row
-    out_k[n:] = 0
-    out_v[n:] = 0
     pad = L * B * Hq * S + np.arange(size - n)  # distinct and out of range: dropped by the scatter
     self.stats.shipped_rows += n
     return RowUpdate(dest=np.concatenate([dest, pad]).astype(np.int32),
