@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import time
-
-from typing import NamedTuple
 
 import numpy as np
 
@@ -49,17 +48,35 @@ import host_index
 from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
 
 
-class RowUpdate(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
   """Host -> device change of the per_step row buffers: slot dest[i] of the flattened
   [L, B, Hq, slots] buffers takes store id ids[i] (-1 = emptied) and rows k[i], v[i]. Padded to
   a few static sizes (entries past `count` have distinct out-of-range dest, so the scatter
-  drops them, and unspecified rows)."""
+  drops them, and unspecified rows). All of it lies in one byte buffer, so one host -> device
+  copy carries it (each separate copy from pageable memory costs ~1 ms on the H200 machine):
+  [dest int32 x size | ids int32 x size | k x size x D | v x size x D] (rows in the store dtype)."""
 
-  dest: np.ndarray  # [n] int32 flat slot index into [L * B * Hq * slots]
-  ids: np.ndarray  # [n] int32 store id now in that slot, -1 = empty
-  k: np.ndarray  # [n, D] storage dtype (bfloat16 as uint16 bits)
-  v: np.ndarray  # [n, D]
-  count: int  # real entries (the rest is padding)
+  packed: np.ndarray  # [size * (8 + 2 * D * itemsize)] uint8
+  size: int  # entries, padding included
+  count: int  # real entries
+  head_dim: int
+  dtype: np.dtype  # of the rows (the store's; bfloat16 as uint16 bits)
+
+  @staticmethod
+  def nbytes(size: int, head_dim: int, dtype) -> int:
+    return size * (8 + 2 * head_dim * np.dtype(dtype).itemsize)
+
+  def _part(self, index: int) -> np.ndarray:
+    n, row = self.size, self.head_dim * np.dtype(self.dtype).itemsize
+    starts = (0, 4 * n, 8 * n, 8 * n + n * row, 8 * n + 2 * n * row)
+    part = self.packed[starts[index]:starts[index + 1]]
+    return part.view(np.int32) if index < 2 else part.view(self.dtype).reshape(n, self.head_dim)
+
+  dest = property(lambda self: self._part(0))  # [size] int32 flat slot index into [L * B * Hq * slots]
+  ids = property(lambda self: self._part(1))  # [size] int32 store id now in that slot, -1 = empty
+  k = property(lambda self: self._part(2))  # [size, D]
+  v = property(lambda self: self._part(3))  # [size, D]
 
 
 def padded_size(n: int) -> int:
@@ -160,16 +177,20 @@ class PrefetchRuntime(HostRuntime):
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
     wanted = self.slot_ids.copy()  # the selections, in no slot order; dense layers' stay empty
+    used, fresh = [], []
     for layer, ids in zip(layers, found):
       queue = self._selections[layer]
       if queue:  # what the step that just ended used, against that step's own query's result
-        hits, total = reuse_hits(queue.popleft(), ids)
-        self.stats.reused_hits += hits
-        self.stats.reused_total += total
+        used.append(queue.popleft())
+        fresh.append(ids)
       tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
       wanted[layer] = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
       queue.append(wanted[layer])
       self.stats.unindexed_attended += int(np.sum(tail[:, 0] >= 0))
+    if used:  # one vectorized count for every layer
+      hits, total = reuse_hits(np.stack(used), np.stack(fresh))
+      self.stats.reused_hits += hits
+      self.stats.reused_total += total
     update = self._gather_update(wanted)  # advances slot_ids
     self.stats.gather_seconds += time.perf_counter() - t3
     self.stats.attend_seconds += time.perf_counter() - t2
@@ -189,7 +210,10 @@ class PrefetchRuntime(HostRuntime):
     n, size = dest.size, padded_size(dest.size)
     store = self.context.store
     dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
-    out_k, out_v = self._step_buffers(size, padded_size(L * B * Hq * S), D, dtype)
+    update = RowUpdate(self._step_buffer(RowUpdate.nbytes(size, D, dtype),
+                                         RowUpdate.nbytes(padded_size(L * B * Hq * S), D, dtype)),
+                       size=size, count=n, head_dim=D, dtype=dtype)
+    out_k, out_v = update.k, update.v
     per_group = Hq * S  # slots of one (layer, seq), contiguous in dest order
     bounds = np.searchsorted(dest, np.arange(L * B + 1) * per_group)
     for group in np.flatnonzero(np.diff(bounds)):
@@ -198,25 +222,26 @@ class PrefetchRuntime(HostRuntime):
       heads = (dest[lo:hi] % per_group) // S // self.context.group
       store.gather_rows(b, layer, heads, ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
                         threads=self.search_threads)  # id -1: a zero row
-    pad = L * B * Hq * S + np.arange(size - n)  # distinct and out of range: dropped by the scatter
+    update.dest[:n] = dest
+    update.dest[n:] = L * B * Hq * S + np.arange(size - n)  # distinct and out of range: dropped
+    update.ids[:n] = ids
+    update.ids[n:] = -1
     self.stats.shipped_rows += n
-    return RowUpdate(dest=np.concatenate([dest, pad]).astype(np.int32),
-                     ids=np.concatenate([ids, np.full(size - n, -1)]).astype(np.int32),
-                     k=out_k, v=out_v, count=n)
+    return update
 
-  def _step_buffers(self, n: int, most: int, head_dim: int, dtype):
-    """The [n, D] K and V rows of a step's update (n <= most, the largest update).
+  def _step_buffer(self, nbytes: int, most: int) -> np.ndarray:
+    """The [nbytes] uint8 buffer of a step's update (nbytes <= most, the largest update).
 
-    With `reuse_buffers` one pair of [most, D] arrays serves every step: the caller's
-    copy to the device of one step's update must be complete before the next `prefetch_step`
-    (lag 1: the step that reads it has ended; lag 2: the policy's `to_device` blocks until the
-    copy is ready). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev
-    box); the caller must not reuse them where the device may alias host memory (JAX on the CPU)."""
+    With `reuse_buffers` one [most] buffer serves every step: the caller's copy to the device
+    of one step's update must be complete before the next `prefetch_step` (lag 1: the step
+    that reads it has ended; lag 2: the policy's `to_device` blocks until the copy is ready).
+    Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box); the caller
+    must not reuse them where the device may alias host memory (JAX on the CPU)."""
     if not self.reuse_buffers:
-      return np.empty((n, head_dim), dtype), np.empty((n, head_dim), dtype)
-    if self._buffers is None or self._buffers[0].shape != (most, head_dim) or self._buffers[0].dtype != dtype:
-      self._buffers = np.empty((most, head_dim), dtype), np.empty((most, head_dim), dtype)
-    return self._buffers[0][:n], self._buffers[1][:n]
+      return np.empty(nbytes, np.uint8)
+    if self._buffers is None or self._buffers.size != most:
+      self._buffers = np.empty(most, np.uint8)
+    return self._buffers[:nbytes]
 
   def _tail_ids(self, layer: int, batch: int):
     """Store ids [B, 1, tail_slots] (-1 padded) of each sequence's stored, unindexed tokens."""

@@ -236,17 +236,15 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _update_to_device(self, state: RetrievalState):
     """A RowUpdate (numpy; bfloat16 rows as uint16 bits) -> its arrays on the device, copy
     complete on return (the host buffers are rewritten by the next prefetch)."""
-    dtype = state.buf_k.dtype
     stats = self.runtime(state).stats
 
     def to_device(update):
       t0 = time.perf_counter()
-      rows = lambda a: a.view(jnp.bfloat16) if dtype == jnp.bfloat16 else a.astype(dtype, copy=False)
-      # device_put, not jnp.asarray: a pure copy (jnp.asarray of a new shape compiles a conversion)
-      on_device = jax.block_until_ready(jax.device_put((update.dest, update.ids, rows(update.k), rows(update.v))))
+      on_device = jax.block_until_ready(jax.device_put(update.packed))  # one copy for the whole update
       stats.transfer_seconds += time.perf_counter() - t0
-      stats.transfer_bytes += sum(a.nbytes for a in (update.dest, update.ids, update.k, update.v))
+      stats.transfer_bytes += update.packed.nbytes
       return on_device
+
     return to_device
 
   def _prefetch(self, cfg, state: RetrievalState, *step):
@@ -409,9 +407,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return state
 
 
-def _apply_update(state: RetrievalState, update) -> RetrievalState:
-  """Scatters a RowUpdate already on the device into the state's row buffers, in place."""
-  buf_k, buf_v, buf_ids = _scatter_rows(state.buf_k, state.buf_v, state.buf_ids, *update)
+def _apply_update(state: RetrievalState, packed) -> RetrievalState:
+  """Scatters a packed RowUpdate (kvjax.prefetch_runtime), already on the device, into the
+  state's row buffers, in place."""
+  buf_k, buf_v, buf_ids = _scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
   return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
 
@@ -420,11 +419,19 @@ def _scatter_rows(
     buf_k,  # [L, B, Hq, slots, D]
     buf_v,  # [L, B, Hq, slots, D]
     buf_ids,  # [L, B, Hq, slots] int32
-    dest,  # [n] int32 flat slot indices (distinct; out of range = padding, dropped)
-    ids,  # [n] int32
-    rows_k,  # [n, D]
-    rows_v,  # [n, D]
+    packed,  # [n * (8 + 2 * D * itemsize)] uint8: dest, ids (int32 [n] each), k rows, v rows ([n, D])
 ):
+  D, itemsize = buf_k.shape[-1], jnp.dtype(buf_k.dtype).itemsize
+  n = packed.shape[0] // (8 + 2 * D * itemsize)
+
+  def part(start, count, dtype, width):  # bytes -> [count, width] of dtype
+    raw = packed[start:start + count * width * jnp.dtype(dtype).itemsize]
+    return jax.lax.bitcast_convert_type(raw.reshape(count, width, jnp.dtype(dtype).itemsize), dtype)
+
+  dest = part(0, n, jnp.int32, 1)[:, 0]  # distinct; out of range = padding, dropped
+  ids = part(4 * n, n, jnp.int32, 1)[:, 0]
+  rows_k = part(8 * n, n, buf_k.dtype, D)
+  rows_v = part(8 * n + n * D * itemsize, n, buf_k.dtype, D)
   put = lambda buf, new: buf.reshape(-1, *new.shape[1:]).at[dest].set(
       new, mode="drop", unique_indices=True).reshape(buf.shape)
   return put(buf_k, rows_k), put(buf_v, rows_v), put(buf_ids, ids)
