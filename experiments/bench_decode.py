@@ -58,9 +58,15 @@ flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_decode", "Results file name.")
 flags.DEFINE_enum("prompt", "random", ["random", "text"], "Random token ids, or essay-like haystack text.")
 FLAGS = flags.FLAGS
-NOTES = ("Random weights: latency only (random vectors are the hardest case for a graph index: searches scan "
-         "far more than on real vectors). decode_ms is the median step after the first; *_ms_per_step are "
-         "means over the steps (one-time costs included).")
+RANDOM_NOTES = ("Random weights: latency only (random vectors are the hardest case for a graph index: searches "
+                "scan far more than on real vectors). ")
+TIMING_NOTES = ("decode_ms is the median step after the first (jitted_step_ms + after_step_ms: the medians of its "
+                "two parts); *_ms_per_step are means over the steps (one-time costs included).")
+
+
+def notes() -> str:
+  return (RANDOM_NOTES if FLAGS.model.startswith("random:") else
+          f"Real weights ({FLAGS.model}, prompt {FLAGS.prompt}). ") + TIMING_NOTES
 
 
 def make_prompts(model, context_len: int, batch: int) -> list[list[int]]:
@@ -149,7 +155,7 @@ def main(argv):
           print(summary, flush=True)
           rows.append(summary)
         # Written after every row: a run cut short by a time limit keeps what it measured.
-        results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=NOTES)
+        results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes())
   shutil.rmtree(scratch, ignore_errors=True)
 
 
