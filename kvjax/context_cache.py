@@ -3,9 +3,15 @@
 A saved context is a directory, written under a temporary name and renamed into place:
 
     manifest.json   format version, model identity, policy and options, prompt lengths,
-                    capacity, the state's structure with each leaf's shape, dtype and crc32
+                    capacity, the device count, the state's structure with each leaf's shape,
+                    dtype and crc32
     state/          the policy state's device arrays and the prompts' last hidden states (orbax)
     host.bin        the host store and indexes (host_index persistence, itself checksummed)
+
+A context prefilled over N > 1 devices (kvjax.sharding) is saved as N per-device states (arrays
+`dev{d}_leaf_{i}`, each holding that device's heads) and N host files `host_{d}.bin` (each
+device's own store and indexes); it loads only onto a model sharded over N devices, each device
+getting back its own share.
 
 Loading checks the model identity (name, architecture hash, dtype), every leaf's shape,
 dtype and checksum, and the host file's own checksums; any mismatch is a ValueError before
@@ -24,11 +30,14 @@ import shutil
 import uuid
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.generate import PrefilledContext, check_model
 from kvjax.policies import make_policy
+from kvjax.sharding import ShardedPolicy, join_state, replicated, split_state
+from models.tensor_parallel import local_config
 
 FORMAT = "kvjax-context"
 VERSION = 1
@@ -83,15 +92,17 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
 
   if context.spent or context.state is None:
     raise ValueError("this context was decoded already; save it before decoding")
-  if getattr(context.policy, "mesh", None) is not None:
-    raise ValueError("saving a context sharded over several devices is not supported (kvjax.sharding)")
   path = pathlib.Path(path)
   if path.exists() and not overwrite:
     raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")
-  leaves: list = []
-  structure = _describe_tree(context.state, leaves)
-  arrays = {f"leaf_{i}": leaf for i, leaf in enumerate(leaves)} | {"last_hidden": context.last_hidden}
-  policy = context.policy
+  policy, states = _per_device_states(context)
+  arrays = {}
+  for d, state in enumerate(states):
+    leaves: list = []
+    structure = _describe_tree(state, leaves)  # the same on every device
+    prefix = "" if len(states) == 1 else f"dev{d}_"
+    arrays |= {f"{prefix}leaf_{i}": leaf for i, leaf in enumerate(leaves)}
+  arrays["last_hidden"] = context.last_hidden
   manifest = {
       "format": FORMAT,
       "version": VERSION,
@@ -99,6 +110,7 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
       "policy": {"name": policy.name, "options": _policy_options(policy)},
       "prompt_lengths": list(context.prompt_lengths),
       "capacity": context.capacity,
+      "devices": len(states),
       "prefill_seconds": context.prefill_seconds,
       "metadata": context.metadata,
       "structure": structure,
@@ -113,10 +125,12 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
     # and dtype recreate those.
     checkpointer.save(tmp / "state", {k: v for k, v in arrays.items() if v.size})
     checkpointer.wait_until_finished()
-    host = policy.host_context(context.state)
-    if host is not None:
-      host.save(tmp / "host.bin", meta=manifest["model"])
-      manifest["host"] = "host.bin"
+    hosts = [policy.host_context(state) for state in states]
+    if hosts[0] is not None:
+      names = ["host.bin"] if len(hosts) == 1 else [f"host_{d}.bin" for d in range(len(hosts))]
+      for host, name in zip(hosts, names):
+        host.save(tmp / name, meta=manifest["model"])
+      manifest["host"] = names[0] if len(hosts) == 1 else names
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, default=_json_default))
     if path.exists():
       old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
@@ -169,32 +183,57 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
                            policy=None, state=None, prompt_lengths=[], capacity=0, last_hidden=None)
   check_model(model, probe)
 
+  devices = int(manifest.get("devices", 1))
+  mesh = getattr(model, "mesh", None)
+  if (1 if mesh is None else mesh.size) != devices:
+    raise ValueError(f"{str(path)!r} was prefilled over {devices} device(s); the model is on "
+                     f"{1 if mesh is None else mesh.size}: load it with a model sharded the same way")
   policy = _restore_policy(manifest["policy"], policy_options or {})
   restored = ocp.StandardCheckpointer().restore(path / "state")
   arrays = {}
   for key, spec in manifest["arrays"].items():
     if 0 in spec["shape"]:
-      array = jnp.zeros(spec["shape"], spec["dtype"])
+      array = np.zeros(spec["shape"], spec["dtype"])
     elif key in restored:
-      array = jnp.asarray(restored[key])
+      array = np.asarray(restored[key])
     else:
       raise ValueError(f"saved context {str(path)!r} lacks array {key!r}")
     if list(array.shape) != spec["shape"] or str(array.dtype) != spec["dtype"] or _crc32(array) != spec["crc32"]:
       raise ValueError(f"array {key!r} of {str(path)!r} does not match its manifest (shape, dtype or checksum)")
     arrays[key] = array
-  leaves = [arrays[f"leaf_{i}"] for i in range(len(manifest["arrays"]) - 1)]
-  state = _build_tree(manifest["structure"], leaves)
-  if manifest["host"] is not None:
-    import host_index
+  hosts = manifest["host"] if isinstance(manifest["host"], list) else [manifest["host"]] * devices
+  cfg = model.cfg if mesh is None else local_config(model.cfg, devices)
+  states = []
+  for d, device in enumerate([None] if mesh is None else list(mesh.devices.flat)):
+    prefix = "" if devices == 1 else f"dev{d}_"
+    count = sum(1 for key in arrays if key.startswith(prefix + "leaf_"))
+    with jax.default_device(device):  # each device's share goes straight to that device
+      leaves = [jnp.asarray(arrays[f"{prefix}leaf_{i}"]) for i in range(count)]
+      state = _build_tree(manifest["structure"], leaves)
+      if hosts[d] is not None:
+        import host_index
 
-    host = host_index.HostContext.load(path / manifest["host"], expect_meta=identity)
-    state = policy.attach_host(model.cfg, state, host)
-    policy.reserve_decode_room(model.cfg, host, int(manifest["capacity"]))  # not saved: room, not data
+        host = host_index.HostContext.load(path / hosts[d], expect_meta=identity)
+        state = policy.attach_host(cfg, state, host)
+        policy.reserve_decode_room(cfg, host, int(manifest["capacity"]))  # not saved: room, not data
+    states.append(state)
+  last_hidden = jnp.asarray(arrays["last_hidden"])
+  if mesh is None:
+    state = states[0]
+  else:
+    policy, state, last_hidden = ShardedPolicy(policy, mesh), join_state(states, mesh), replicated(last_hidden, mesh)
   return PrefilledContext(
       model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"], policy=policy,
       state=state, prompt_lengths=list(manifest["prompt_lengths"]), capacity=int(manifest["capacity"]),
-      last_hidden=arrays["last_hidden"], prefill_seconds=float(manifest["prefill_seconds"]),
+      last_hidden=last_hidden, prefill_seconds=float(manifest["prefill_seconds"]),
       metadata=dict(manifest.get("metadata") or {}), _release=policy.release_fn(state))
+
+
+def _per_device_states(context: PrefilledContext):
+  """(the policy that made each device's share, [the state of each device]); one device: as is."""
+  if isinstance(context.policy, ShardedPolicy):
+    return context.policy.inner, split_state(context.state, context.policy.mesh)
+  return context.policy, [context.state]
 
 
 def _restore_policy(saved: dict, overrides: dict):

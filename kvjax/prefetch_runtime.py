@@ -133,6 +133,12 @@ class PrefetchRuntime(HostRuntime):
     self.stats.step_wait_seconds += time.perf_counter() - t0
     return result
 
+  def settle(self) -> None:
+    """Waits for the pending prefetch (if any, keeping its result for `take_prefetched`), so
+    counters read now do not depend on thread timing."""
+    if self._next is not None:
+      concurrent.futures.wait([self._next])
+
   def repeat_selection(self) -> None:
     """Records that the next step reuses the latest selection (lag 2, first step after prefill)."""
     for queue in self._selections.values():

@@ -29,9 +29,14 @@ release) run on each device's slice of the state in turn (`split_state` / `join_
 per-device config; `stats` sums integer counters over devices and averages the rest (rates,
 seconds), with the per-device dicts under "devices".
 
-Not done: retrieval's bridge="per_step" (its between-step host work is not split per device); saving or loading a sharded context (kvjax.context_cache refuses; decode refuses a
-context prefilled on other devices); running the per-device hooks (index builds) in parallel;
-a vocabulary-sharded embedding lookup; meshes across hosts.
+`after_step` runs the same way, so retrieval's bridge="per_step" works per device too: each
+device's runtime stores, searches and gathers for its own heads between steps.
+
+A sharded context saves and loads (kvjax.context_cache: one state and host file per device) onto
+a model sharded over the same device count; decode refuses a context prefilled on other devices.
+
+Not done: running the per-device hooks (index builds, per_step host work) in parallel; a
+vocabulary-sharded embedding lookup; meshes across hosts.
 """
 
 from __future__ import annotations
@@ -193,11 +198,6 @@ class ShardedPolicy(AttentionPolicy):
   mesh: Mesh
   name: str = "sharded"
 
-  def __post_init__(self):
-    if getattr(self.inner, "bridge", None) == "per_step":
-      raise ValueError("retrieval bridge='per_step' is not supported over several devices yet; "
-                       "use bridge='per_layer' (the default)")
-
   @property
   def devices(self) -> int:
     return self.mesh.shape[HEADS]
@@ -281,6 +281,12 @@ class ShardedPolicy(AttentionPolicy):
   def check(self, state) -> None:
     self._per_device(self.inner.check, state)
 
+  def after_step(self, cfg, state):
+    """The inner policy's between-step host work on each device's share (retrieval's per_step
+    bridge: each device's runtime searches its own heads and updates its own row buffers)."""
+    local = self.local_cfg(cfg)
+    return join_state(self._per_device(lambda s: self.inner.after_step(local, s), state), self.mesh)
+
   def stats(self, state) -> dict:
     """Integer counters summed over devices, other numbers averaged; per device under "devices"."""
     per_device = self._per_device(self.inner.stats, state)
@@ -303,4 +309,4 @@ class ShardedPolicy(AttentionPolicy):
     return lambda: [release() for release in releases]
 
   def host_context(self, state):
-    return None  # one context per device: saving a sharded context is not supported
+    return None  # one context per device: kvjax.context_cache saves each device's share itself

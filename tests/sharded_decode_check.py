@@ -8,6 +8,7 @@ line per comparison:
     {"case": ..., "devices": N, "max_abs": float, "tokens_equal": bool, "ambiguous_steps": int, ...}
 
 Usage: python tests/sharded_decode_check.py [case[:devices,...] ...]   (default: every case on 2 and 4)
+       "saved[:devices]" saves and loads a sharded context instead (run_saved).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ CASES = {
         policy="retrieval", policy_options=dict(index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
     "retrieval_roar_speculative": (dict(), dict(policy="retrieval", policy_options=dict(
         index="roar", topk=6, speculative=True, tau=0.5, **SMALL))),
+    # bridge="per_step": the host work between steps runs per device (ShardedPolicy.after_step);
+    # lag 2 runs it on a background thread, which must copy each update to its own device.
+    "retrieval_per_step_lag2": (dict(), dict(policy="retrieval", policy_options=dict(
+        index="roar", topk=6, bridge="per_step", lag=2, **SMALL))),
     # vocab 96: the untied lm_head is vocabulary-sharded (logits gathered by XLA outside shard_map)
     "freekv": (dict(vocab_size=96), dict(policy="freekv", policy_options=dict(
         budget=12, page_size=2, sinks=2, window=4, dense_layers=(), speculative=True, tau=0.5))),
@@ -103,12 +108,44 @@ def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
   return rows
 
 
+def run_saved(devices: int = 2) -> dict:
+  """A retrieval (per_step) context prefilled over `devices`, saved and loaded: decode of the
+  loaded context equals decode right after prefill, token for token; a model on another device
+  count is refused."""
+  import tempfile
+
+  model = tiny()
+  prompts = [random_prompt(37, seed=1), random_prompt(29, seed=2)]
+  options = dict(index="roar", topk=6, bridge="per_step", **SMALL)
+  sharded = shard_model(model, devices)
+  ctx = kvjax.prefill(sharded, prompts, max_new_tokens=STEPS, prefill_chunk=16, policy="retrieval",
+                      policy_options=options)
+  with tempfile.TemporaryDirectory() as tmp:
+    kvjax.save_context(ctx, f"{tmp}/c")
+    direct = kvjax.decode(sharded, ctx, max_new_tokens=STEPS, return_logits=True)
+    loaded = kvjax.decode(sharded, kvjax.load_context(f"{tmp}/c", sharded), max_new_tokens=STEPS,
+                          return_logits=True)
+    try:
+      kvjax.load_context(f"{tmp}/c", model)
+      refused = False
+    except ValueError as e:
+      refused = f"prefilled over {devices} device(s)" in str(e)
+  row = dict(case="saved_retrieval_per_step", devices=devices, tokens_equal=loaded.tokens == direct.tokens,
+             max_abs=float(np.abs(loaded.logits - direct.logits).max()), refused_other_device_count=refused,
+             runtimes_left=len(host_runtime._RUNTIMES))
+  print(json.dumps(row), flush=True)
+  return row
+
+
 def main(argv):
   """Arguments: case names, each optionally with its device counts ("freekv:2,4"; default 2 and 4)."""
   if len(jax.devices()) < 4:
     raise SystemExit(f"needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4), has {jax.devices()}")
   for arg in argv[1:] or list(CASES):
     name, _, counts = arg.partition(":")
+    if name == "saved":
+      run_saved(int(counts or 2))
+      continue
     run_case(name, tuple(int(c) for c in counts.split(",")) if counts else (2, 4))
 
 

@@ -178,13 +178,6 @@ def test_bad_options(options, message):
     RetrievalAttention(**options)
 
 
-def test_refused_over_several_devices():
-  from kvjax.sharding import ShardedPolicy, head_mesh
-
-  with pytest.raises(ValueError, match="per_step"):
-    ShardedPolicy(inner=RetrievalAttention(bridge="per_step"), mesh=head_mesh(1))
-
-
 def test_updates_ship_only_entering_rows_and_keep_the_buffers_exact():
   rng = np.random.default_rng(2)
   keys, values = rng.standard_normal((2, 2, 1, 30, 8), dtype=np.float32)

@@ -27,21 +27,28 @@ TOL = 1e-4  # float32 logits; sharding changes only the order of the psum's addi
 # One case per policy, each against the unsharded decode of the same model: full on Qwen2
 # shapes (q/k/v biases) with fused, unrolled weights; retrieval (roar, speculative) on Gemma 3
 # shapes (QK norms, sandwich norms around the psum, a sliding-window layer kept dense) with
-# fused stacked weights; freekv (speculative) on Llama shapes. Mostly compilation.
-CASES = ["full_qwen2_fused_unrolled:2,4", "retrieval_gemma3_fused:2,4", "freekv:2,4"]
+# fused stacked weights; retrieval's per_step bridge (lag 2: host work on a background thread,
+# per device); freekv (speculative) on Llama shapes. Mostly compilation.
+CASES = ["full_qwen2_fused_unrolled:2,4", "retrieval_gemma3_fused:2,4", "retrieval_per_step_lag2:2,4", "freekv:2,4"]
+SAVED = "saved:2"  # a sharded context saved and loaded (sharded_decode_check.run_saved)
 
 
 @pytest.fixture(scope="module")
 def sharded_rows():
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments"), HERE]))
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_decode_check.py"), *CASES], env=env,
+  proc = subprocess.run([sys.executable, os.path.join(HERE, "sharded_decode_check.py"), *CASES, SAVED], env=env,
                         capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+def _decode_rows(rows):
+  return [r for r in rows if r["case"] != "saved_retrieval_per_step"]
+
+
 def test_sharded_decode_equals_unsharded(sharded_rows):
+  sharded_rows = _decode_rows(sharded_rows)
   expected = {(c.split(":")[0], int(n)) for c in CASES for n in c.split(":")[1].split(",")}
   assert {(r["case"], r["devices"]) for r in sharded_rows} == expected
   for row in sharded_rows:
@@ -50,11 +57,21 @@ def test_sharded_decode_equals_unsharded(sharded_rows):
     assert row["runtimes_left"] == 0, row  # every device's host runtime released
 
 
-def test_one_callback_per_layer_per_step_per_device(sharded_rows):
+def test_one_host_exchange_per_layer_or_step_per_device(sharded_rows):
+  sharded_rows = _decode_rows(sharded_rows)
   host_backed = [r for r in sharded_rows if r["ref_callbacks"] is not None]
-  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "freekv"}
+  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2", "freekv"}
   for row in host_backed:
     assert row["callbacks"] == row["devices"] * row["ref_callbacks"], row
+
+
+def test_saved_sharded_context_decodes_token_for_token(sharded_rows):
+  saved = [r for r in sharded_rows if r["case"] == "saved_retrieval_per_step"]
+  assert len(saved) == 1
+  row = saved[0]
+  assert row["tokens_equal"] and row["max_abs"] < TOL, row  # each device got back its own heads and host share
+  assert row["refused_other_device_count"], row  # onto one device: a clear ValueError
+  assert row["runtimes_left"] == 0, row
 
 
 @pytest.mark.parametrize("kv_heads, devices", [(3, 2), (2, 4), (1, 2)])  # SmolLM2, Qwen2.5, Gemma-3 shapes

@@ -237,10 +237,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """A RowUpdate (numpy; bfloat16 rows as uint16 bits) -> its arrays on the device, copy
     complete on return (the host buffers are rewritten by the next prefetch)."""
     stats = self.runtime(state).stats
+    device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
 
     def to_device(update):
       t0 = time.perf_counter()
-      on_device = jax.block_until_ready(jax.device_put(update.packed))  # one copy for the whole update
+      on_device = jax.block_until_ready(jax.device_put(update.packed, device))  # one copy for the whole update
       stats.transfer_seconds += time.perf_counter() - t0
       stats.transfer_bytes += update.packed.nbytes
       return on_device
@@ -258,6 +259,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime = self.runtime(state)
     if runtime is None:
       return {}
+    if self.bridge == "per_step":
+      runtime.settle()  # lag 2: the last step's prefetch may still be counting
     return runtime.stats.as_dict() | {"resident_bytes": runtime.context.nbytes}  # store + indexes
 
   # -- attention -------------------------------------------------------------------------
