@@ -1,0 +1,127 @@
+"""The host half of retrieval's per_step bridge alone: where one step's host work goes.
+
+    python experiments/bench_prefetch.py --layers=32 --q_heads=32 --kv_heads=8 --head_dim=128 --keys=8192
+
+No model and no device work: a host_index.HostContext of the given shapes is filled with random
+keys and values, indexed, and driven through `PrefetchRuntime.prefetch_step` (store the evicted
+tokens, search every layer, assign slots, gather the entering rows, pack the update) with
+queries that drift from step to step (q_t = q_{t-1} + drift * noise, so consecutive selections
+overlap as they do in decode). Rows: per-phase medians over the steps after the first
+(insert, search, gather = slot assignment + gathering + packing, wait for the previous step's
+background indexing, total), rows and bytes shipped, and the functions with the most own time
+under cProfile. Synthetic vectors: the keys scanned, and so the search time, are not those of a
+real model; the gather and bookkeeping costs are (they depend on shapes and on how many rows
+enter, which --drift sets). Run it on the machine whose host cores decode (the GPU machine):
+this is CPU time only.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import copy
+import pstats
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import host_index
+from kvjax.host_runtime import available_cores
+from kvjax.prefetch_runtime import PrefetchRuntime
+import results_io
+
+flags.DEFINE_integer("layers", 32, "Layers served from the host.")
+flags.DEFINE_integer("q_heads", 32, "Query heads.")
+flags.DEFINE_integer("kv_heads", 8, "KV heads.")
+flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+flags.DEFINE_integer("keys", 8192, "Host-resident keys per (layer, KV head).")
+flags.DEFINE_enum("index", "graph", ["graph", "ivf", "flat"], "Host index kind.")
+flags.DEFINE_integer("topk", 100, "Keys retrieved per query head.")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Host store dtype.")
+flags.DEFINE_integer("steps", 16, "Timed steps (after 2 warm-up steps).")
+flags.DEFINE_float("drift", 0.3, "Step-to-step query noise, relative to the query scale.")
+flags.DEFINE_boolean("reuse_buffers", True, "Reuse the update buffer (as on a GPU backend).")
+flags.DEFINE_integer("profile_top", 12, "Functions listed by own time.")
+flags.DEFINE_string("out_dir", None, "Results directory.")
+flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
+FLAGS = flags.FLAGS
+NOTES = ("Synthetic random vectors, host CPU time only: search times depend on the vectors (random ones are the "
+         "hardest case for a graph index); gather and bookkeeping costs depend on the shapes and the rows that "
+         "enter. ms columns are medians over the timed steps.")
+PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_seconds")
+
+
+def build_runtime(rng) -> PrefetchRuntime:
+  L, Hq, Hkv, D, n = FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.keys
+  context = host_index.HostContext(1, L, Hq, Hkv, D, dtype=FLAGS.dtype, kind=FLAGS.index)
+  for layer in range(L):
+    keys = rng.standard_normal((Hkv, n, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
+    context.append(0, layer, 0, keys, keys)
+    context.build_layer(layer)
+    context.store.reserve(0, layer, n + FLAGS.steps + 8)
+  runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
+                            background_threads=available_cores())  # as retrieval's per_step runtime
+  runtime.reuse_buffers = FLAGS.reuse_buffers
+  return runtime
+
+
+def main(argv):
+  del argv
+  rng = np.random.default_rng(0)
+  t0 = time.perf_counter()
+  runtime = build_runtime(rng)
+  build_seconds = time.perf_counter() - t0
+  L, Hq, Hkv, D = FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim
+  layers = list(range(L))
+  queries = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  evicted_k = rng.standard_normal((L, 1, Hkv, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
+  evicted_q = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  per_step, shipped, packed_bytes = [], [], []
+
+  def step(i: int):
+    nonlocal queries
+    queries = queries + FLAGS.drift * rng.standard_normal(queries.shape, dtype=np.float32)
+    position = np.full((L, 1), FLAGS.keys + i)  # one new token per layer and step, as decode evicts
+    return runtime.prefetch_step(layers, queries, evicted_k, evicted_k, evicted_q, position)
+
+  profiler = cProfile.Profile()
+  try:
+    for i in range(2):
+      step(i)
+    for i in range(2, 2 + FLAGS.steps):
+      before = copy.copy(runtime.stats)
+      t = time.perf_counter()
+      profiler.enable()
+      update = step(i)
+      profiler.disable()
+      total = time.perf_counter() - t
+      per_step.append({p: getattr(runtime.stats, p) - getattr(before, p) for p in PHASES} | {"total": total})
+      shipped.append(update.count)
+      packed_bytes.append(update.packed.nbytes)
+    runtime._wait_background(-1)
+  finally:
+    runtime.close()
+  median = lambda key: round(1e3 * float(np.median([s[key] for s in per_step])), 3)
+  row = dict(kind="prefetch_step", index=FLAGS.index, layers=L, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+             keys=FLAGS.keys, topk=FLAGS.topk, drift=FLAGS.drift, host_cores=available_cores(),
+             build_s=round(build_seconds, 2), total_ms=median("total"), insert_ms=median("insert_seconds"),
+             search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),
+             wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
+                           - median("gather_seconds"), 3),
+             shipped_rows=int(np.median(shipped)), slots=L * Hq * (FLAGS.topk + 8),
+             update_bytes=int(np.median(packed_bytes)))
+  rows = [row]
+  stats = pstats.Stats(profiler)
+  top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:FLAGS.profile_top]  # by own time
+  for (filename, line, function), (_, calls, own, cumulative, _) in top:
+    rows.append(dict(kind="profile", function=f"{function} ({filename.rsplit('/', 1)[-1]}:{line})",
+                     calls_per_step=round(calls / FLAGS.steps, 1), own_ms_per_step=round(1e3 * own / FLAGS.steps, 3),
+                     cumulative_ms_per_step=round(1e3 * cumulative / FLAGS.steps, 3)))
+  for r in rows:
+    print(r)
+  results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=NOTES)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,25 @@
+"""experiments/bench_prefetch.py runs end to end at a tiny size and reports consistent numbers."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_prefetch_small(tmp_path):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_prefetch.py"), "--layers=2", "--q_heads=4",
+         "--kv_heads=2", "--head_dim=16", "--keys=300", "--topk=10", "--steps=3", f"--out_dir={tmp_path}",
+         "--name=small"]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  doc = json.loads((tmp_path / "small.json").read_text())
+  step, *profile = doc["rows"]
+  assert step["kind"] == "prefetch_step" and step["slots"] == 2 * 4 * (10 + 8)
+  assert 0 < step["shipped_rows"] <= step["slots"]  # queries drift: some rows enter, never more than all
+  assert step["total_ms"] >= step["search_ms"] > 0
+  assert step["update_bytes"] >= step["shipped_rows"] * (8 + 2 * 16 * 2)  # bf16 rows + dest + id, padded
+  assert profile and all(r["kind"] == "profile" for r in profile)
+  assert (tmp_path / "small.md").exists()
