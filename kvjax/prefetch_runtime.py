@@ -18,10 +18,11 @@ exports every layer's query and the token it evicted; between steps the host
      buffers (ids kept from one step to the next keep their slot and are not sent again),
   5. starts the indexing of the new tokens on a background thread.
 
-Sending only entering rows matters: the whole [L, B, Hq, slots, D] K and V buffers are 56 MiB
-per step for Llama-3-8B shapes, 9.6 ms at the ~6 GB/s of a pageable host->device copy
-(experiments/results/bench_decode_8b_8k_per_step_c.md); consecutive selections share 30-60% of
-their ids (the hit rate), more for the tail and for heads whose query barely moved.
+Why only entering rows: the whole [L, B, Hq, slots, D] K and V buffers are 56 MiB per step for
+Llama-3-8B shapes, 9.6 ms at the ~6 GB/s of a pageable host->device copy on the H200 machine
+(experiments/results/bench_decode_8b_8k_per_step_c.md). Consecutive selections share ids (hit
+rate 0.47-0.56 on real SmolLM2 text, 0.22-0.32 on random 8B vectors): the bytes shipped fell by
+half and by 28% (bench_decode_*_per_step_packed.md).
 
 The selection used at step t+1 was searched with the query of step t: speculative reuse with
 a one-step lag for every head and no synchronous correction (a correction would need the
@@ -54,7 +55,8 @@ class RowUpdate:
   [L, B, Hq, slots] buffers takes store id ids[i] (-1 = emptied) and rows k[i], v[i]. Padded to
   a few static sizes (entries past `count` have distinct out-of-range dest, so the scatter
   drops them, and unspecified rows). All of it lies in one byte buffer, so one host -> device
-  copy carries it (each separate copy from pageable memory costs ~1 ms on the H200 machine):
+  copy carries it (on the H200 machine four separate copies took 4.6 ms per step for 3.5 MB of
+  SmolLM2 rows, one packed copy 2.6 ms for 3.7 MB):
   [dest int32 x size | ids int32 x size | k x size x D | v x size x D] (rows in the store dtype)."""
 
   packed: np.ndarray  # [size * (8 + 2 * D * itemsize)] uint8

@@ -234,8 +234,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return [l for l in range(cfg.num_layers) if l not in dense]
 
   def _update_to_device(self, state: RetrievalState):
-    """A RowUpdate (numpy; bfloat16 rows as uint16 bits) -> its arrays on the device, copy
-    complete on return (the host buffers are rewritten by the next prefetch)."""
+    """A RowUpdate (numpy) -> its packed bytes on the state's device, copy complete on return
+    (the host buffer is rewritten by the next prefetch)."""
     stats = self.runtime(state).stats
     device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
 
@@ -424,6 +424,8 @@ def _scatter_rows(
     buf_ids,  # [L, B, Hq, slots] int32
     packed,  # [n * (8 + 2 * D * itemsize)] uint8: dest, ids (int32 [n] each), k rows, v rows ([n, D])
 ):
+  """Unpacks (bitcasts) and scatters; one compile per padded update size, a short ladder of
+  sizes (kvjax.prefetch_runtime.padded_size)."""
   D, itemsize = buf_k.shape[-1], jnp.dtype(buf_k.dtype).itemsize
   n = packed.shape[0] // (8 + 2 * D * itemsize)
 
