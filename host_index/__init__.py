@@ -9,6 +9,7 @@ Public API:
   Index.search / insert / len                 one API for flat, ivf, graph, roar
   KVStore                                     per (seq, layer) head-major K/V store
   assign_slots(held, wanted)                  slot writes that keep held ids in place
+  count_common(a, b)                          per row, ids of a found in b
   HostContext                                 store + per-(seq, layer, head) indexes:
                                               build_layer, insert / insert_many, attend,
                                               search, attend_ids, fetch_pages, save / load
@@ -20,6 +21,7 @@ from host_index._index import Index
 from host_index._index import build_index
 from host_index._persist import CorruptFileError
 from host_index._slots import assign_slots
+from host_index._slots import count_common
 from host_index._store import KVStore
 from host_index._store import StoreFullError
 
@@ -32,4 +34,5 @@ __all__ = [
     "StoreFullError",
     "assign_slots",
     "build_index",
+    "count_common",
 ]

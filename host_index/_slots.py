@@ -1,5 +1,6 @@
-"""Slot bookkeeping for row buffers mirrored elsewhere (e.g. a device buffer of retrieved rows):
-which slots to rewrite so each row holds a new set of ids, keeping the ids it already holds."""
+"""Row-wise id bookkeeping for row buffers mirrored elsewhere (e.g. a device buffer of retrieved
+rows): which slots to rewrite so each row holds a new set of ids, keeping the ids it already
+holds; and how many ids two selections share per row (hit rates)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,31 @@ def assign_slots(held, wanted, *, threads: int | None = None):
     _core.assign_slots(h, w, R, S, writes, nthreads)
     dest = np.flatnonzero(writes >= -1)
     return dest, writes.reshape(-1)[dest]
+
+
+def count_common(a, b, *, threads: int | None = None) -> np.ndarray:
+    """Per row, how many valid ids of `a` occur in the same row of `b` (one threaded C call).
+
+    Args:
+        a: [R, n] int ids, -1 = none (a repeated id counts each time).
+        b: [R, m] int ids, -1 = none.
+        threads: OpenMP threads (default: all; fewer for small inputs).
+
+    Returns:
+        [R] int64 counts.
+
+    Raises:
+        TypeError: non-integer arrays.
+        ValueError: not 2-D, row counts differ, or an id below -1.
+    """
+    x = _dtypes.as_ids(a, "a", ndim=2)
+    y = _dtypes.as_ids(b, "b", ndim=2)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(f"a {x.shape} and b {y.shape} must have the same number of rows")
+    for name, ids in (("a", x), ("b", y)):
+        if ids.size and ids.min() < -1:
+            raise ValueError(f"{name}: ids must be >= -1, got {ids.min()}")
+    counts = np.empty(x.shape[0], np.int64)
+    nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+    _core.count_common(x, x.shape[1], y, y.shape[1], x.shape[0], counts, nthreads)
+    return counts

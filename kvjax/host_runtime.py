@@ -294,29 +294,11 @@ def reuse_hits(
     used,  # [..., k] int: ids used (-1 = none), distinct within a row
     fresh,  # [..., k'] int: the exact search result of the same query (-1 = none)
 ):
-  """(valid used ids found in the same row of `fresh`, valid used ids), vectorized."""
+  """(valid used ids found in the same row of `fresh`, valid used ids), in one C call."""
   used, fresh = np.asarray(used, np.int64), np.asarray(fresh, np.int64)
   rows_count = int(np.prod(used.shape[:-1]))
   used, fresh = used.reshape(rows_count, used.shape[-1]), fresh.reshape(rows_count, fresh.shape[-1])
-  found = row_membership(used, fresh)
-  return int(np.count_nonzero(found)), int(np.count_nonzero(used >= 0))
-
-
-def row_membership(
-    a,  # [R, n] int64 ids (-1 = none)
-    b,  # [R, m] int64 ids (-1 = none)
-):
-  """[R, n] bool: a[r, i] >= 0 and a[r, i] occurs in row r of b; one sorted search for all rows."""
-  if a.size == 0 or b.size == 0:
-    return np.zeros(a.shape, bool)
-  # Offset each row into its own id range so one sorted search covers every row; rows sorted
-  # one by one and offset are sorted as a whole (cheaper than one global sort).
-  span = int(max(a.max(), b.max())) + 2
-  rows = np.arange(a.shape[0], dtype=np.int64)[:, None] * span
-  keys = (np.sort(b, axis=1) + 1 + rows).ravel()  # -1 maps to the row's slot 0
-  probe = a + 1 + rows
-  at = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
-  return (keys[at] == probe) & (a >= 0)
+  return int(host_index.count_common(used, fresh).sum()), int(np.count_nonzero(used >= 0))
 
 
 def _with_unindexed(

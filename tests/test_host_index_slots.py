@@ -83,3 +83,26 @@ def test_empty_and_bad_input():
     host_index.assign_slots(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int64))
   with pytest.raises(ValueError, match="held: expected 2 dimensions"):
     host_index.assign_slots(np.zeros(3, np.int64), np.zeros(3, np.int64))
+
+
+def count_common_reference(a, b):
+  return np.array([sum(1 for x in row_a if x >= 0 and x in set(row_b.tolist())) for row_a, row_b in zip(a, b)])
+
+
+@pytest.mark.parametrize("R, n, m, pool", [(1, 1, 1, 2), (9, 7, 5, 12), (300, 108, 100, 400)])
+def test_count_common_matches_numpy(R, n, m, pool):
+  rng = np.random.default_rng(R + n)
+  a = rng.integers(-1, pool, size=(R, n))  # repeats in a count each time
+  b = _random_rows(rng, R, m, pool)
+  np.testing.assert_array_equal(host_index.count_common(a, b), count_common_reference(a, b))
+  np.testing.assert_array_equal(host_index.count_common(a, b, threads=1), count_common_reference(a, b))
+
+
+def test_count_common_bad_input():
+  assert host_index.count_common(np.zeros((0, 3), np.int64), np.zeros((0, 2), np.int64)).shape == (0,)
+  with pytest.raises(ValueError, match="same number of rows"):
+    host_index.count_common(np.zeros((2, 3), np.int64), np.zeros((3, 3), np.int64))
+  with pytest.raises(ValueError, match="b: ids must be >= -1"):
+    host_index.count_common(np.zeros((2, 3), np.int64), np.full((2, 3), -2))
+  with pytest.raises(TypeError, match="a"):
+    host_index.count_common(np.zeros((2, 3)), np.zeros((2, 3), np.int64))

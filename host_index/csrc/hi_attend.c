@@ -309,3 +309,39 @@ int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64
   }
   return err;
 }
+
+int hi_count_common(const int64_t *a, int64_t n, const int64_t *b, int64_t m, int64_t R, int64_t *counts,
+                    int threads) {
+  for (int64_t i = 0; i < R * n; i++)
+    if (a[i] < -1) return HI_EINVAL;
+  for (int64_t i = 0; i < R * m; i++)
+    if (b[i] < -1) return HI_EINVAL;
+  int64_t size = 2;
+  while (size < 2 * m) size *= 2;
+  int err = HI_OK;
+#pragma omp parallel num_threads(hi_team(threads, R, R * (n + m) * 8))
+  {
+    int64_t *table = malloc((size_t)size * sizeof(int64_t)); /* indices into the row of b, -1 = empty */
+    if (!table) {
+#pragma omp atomic write
+      err = HI_ENOMEM;
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+      if (!table) continue;
+      const int64_t *x = a + r * n, *y = b + r * m;
+      for (int64_t i = 0; i < size; i++) table[i] = -1;
+      for (int64_t j = 0; j < m; j++) {
+        if (y[j] < 0) continue;
+        int64_t *e = slot_probe(table, size - 1, y, y[j]);
+        if (*e < 0) *e = j;
+      }
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; i++)
+        if (x[i] >= 0 && *slot_probe(table, size - 1, y, x[i]) >= 0) count++;
+      counts[r] = count;
+    }
+    free(table);
+  }
+  return err;
+}

@@ -65,6 +65,12 @@ int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap
 int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64_t S, int64_t *writes,
                     int threads);
 
+/* counts[r] = how many valid entries of row r of a ([R, n] ids, -1 = none) occur in
+ * row r of b ([R, m], -1 = none); a repeated entry of a counts each time. Ids below
+ * -1 are HI_EINVAL. */
+int hi_count_common(const int64_t *a, int64_t n, const int64_t *b, int64_t m, int64_t R, int64_t *counts,
+                    int threads);
+
 /* Threads for `tasks` independent tasks of about `work` scalar operations in
  * all: at most the requested count (hi_threads), the task count, and one per
  * HI_MIN_WORK operations, so small calls skip the cost of waking a team. */

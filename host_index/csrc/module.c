@@ -885,6 +885,36 @@ static PyObject *py_assign_slots(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* count_common(a, n, b, m, R, counts, threads) */
+static PyObject *py_count_common(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ao, *bo, *co;
+  Py_ssize_t n, m, R;
+  int threads;
+  if (!PyArg_ParseTuple(args, "OnOnnOi", &ao, &n, &bo, &m, &R, &co, &threads)) return NULL;
+  if (n < 0 || m < 0 || R < 0) {
+    PyErr_SetString(PyExc_ValueError, "count_common: bad sizes");
+    return NULL;
+  }
+  Py_buffer b[3];
+  if (get_buf(ao, &b[0], 0, R * n * 8, "a") < 0) return NULL;
+  if (get_buf(bo, &b[1], 0, R * m * 8, "b") < 0) {
+    PyBuffer_Release(&b[0]);
+    return NULL;
+  }
+  if (get_buf(co, &b[2], 1, R * 8, "counts") < 0) {
+    PyBuffer_Release(&b[0]);
+    PyBuffer_Release(&b[1]);
+    return NULL;
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS err = hi_count_common(b[0].buf, n, b[1].buf, m, R, b[2].buf, threads);
+  Py_END_ALLOW_THREADS
+  for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_isa(PyObject *mod, PyObject *unused) {
   (void)mod;
   (void)unused;
@@ -902,6 +932,7 @@ static PyMethodDef module_methods[] = {
     {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
+    {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {
