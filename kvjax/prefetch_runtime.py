@@ -184,21 +184,23 @@ class PrefetchRuntime(HostRuntime):
     self.stats.search_seconds += t3 - t2
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
-    wanted = self.slot_ids.copy()  # the selections, in no slot order; dense layers' stay empty
-    used, fresh = [], []
-    for layer, ids in zip(layers, found):
-      queue = self._selections[layer]
-      if queue:  # what the step that just ended used, against that step's own query's result
-        used.append(queue.popleft())
-        fresh.append(ids)
-      tail = np.broadcast_to(self._tail_ids(layer, B), (B, Hq, self.tail_slots))
-      wanted[layer] = np.concatenate([ids, tail], axis=-1)  # [B, Hq, slots]
-      queue.append(wanted[layer])
-      self.stats.unindexed_attended += int(np.sum(tail[:, 0] >= 0))
-    if used:  # one vectorized count for every layer
-      hits, total = reuse_hits(np.stack(used), np.stack(fresh))
+    # The selections, in no slot order (top-k, then every stored-but-unindexed token); dense
+    # layers' slots stay empty.
+    wanted = self.slot_ids.copy()
+    tails = np.zeros((0, B, self.tail_slots), np.int64)  # [T, B, tail_slots]
+    if layers:
+      tails = np.stack([self._tail_ids(layer, B)[:, 0] for layer in layers])
+    wanted[layers, :, :, :self.topk] = found
+    wanted[layers, :, :, self.topk:] = tails[:, :, None, :]
+    self.stats.unindexed_attended += int(np.count_nonzero(tails >= 0))
+    scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
+    if scored:  # what the step that just ended used, against that step's own query's result
+      used = np.stack([self._selections[layers[t]].popleft() for t in scored])
+      hits, total = reuse_hits(used, found[scored])
       self.stats.reused_hits += hits
       self.stats.reused_total += total
+    for layer in layers:
+      self._selections[layer].append(wanted[layer])
     update = self._gather_update(wanted)  # advances slot_ids
     self.stats.gather_seconds += time.perf_counter() - t3
     self.stats.attend_seconds += time.perf_counter() - t2
