@@ -193,9 +193,9 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
   arrays = {}
   for key, spec in manifest["arrays"].items():
     if 0 in spec["shape"]:
-      array = np.zeros(spec["shape"], spec["dtype"])
+      array = jnp.zeros(spec["shape"], spec["dtype"])
     elif key in restored:
-      array = np.asarray(restored[key])
+      array = jnp.asarray(restored[key])
     else:
       raise ValueError(f"saved context {str(path)!r} lacks array {key!r}")
     if list(array.shape) != spec["shape"] or str(array.dtype) != spec["dtype"] or _crc32(array) != spec["crc32"]:
@@ -207,8 +207,9 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
   for d, device in enumerate([None] if mesh is None else list(mesh.devices.flat)):
     prefix = "" if devices == 1 else f"dev{d}_"
     count = sum(1 for key in arrays if key.startswith(prefix + "leaf_"))
-    with jax.default_device(device):  # each device's share goes straight to that device
-      leaves = [jnp.asarray(arrays[f"{prefix}leaf_{i}"]) for i in range(count)]
+    with jax.default_device(device):  # each device's share (and its runtime's work) on that device
+      leaves = [arrays[f"{prefix}leaf_{i}"] if device is None else jax.device_put(arrays[f"{prefix}leaf_{i}"], device)
+                for i in range(count)]
       state = _build_tree(manifest["structure"], leaves)
       if hosts[d] is not None:
         import host_index
@@ -217,7 +218,7 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
         state = policy.attach_host(cfg, state, host)
         policy.reserve_decode_room(cfg, host, int(manifest["capacity"]))  # not saved: room, not data
     states.append(state)
-  last_hidden = jnp.asarray(arrays["last_hidden"])
+  last_hidden = arrays["last_hidden"]
   if mesh is None:
     state = states[0]
   else:
