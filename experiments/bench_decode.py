@@ -60,8 +60,9 @@ flags.DEFINE_enum("prompt", "random", ["random", "text"], "Random token ids, or 
 FLAGS = flags.FLAGS
 RANDOM_NOTES = ("Random weights: latency only (random vectors are the hardest case for a graph index: searches "
                 "scan far more than on real vectors). ")
-TIMING_NOTES = ("decode_ms is the median step after the first (jitted_step_ms + after_step_ms: the medians of its "
-                "two parts); *_ms_per_step are means over the steps (one-time costs included).")
+TIMING_NOTES = ("decode_ms is the median step after the first; jitted_step_ms and after_step_ms are the medians of "
+                "its two parts (the jitted step up to its token, the policy's host work between steps); "
+                "*_ms_per_step are means over the steps (one-time costs included).")
 
 
 def notes() -> str:

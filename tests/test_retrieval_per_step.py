@@ -181,7 +181,6 @@ def test_bad_options(options, message):
 def test_updates_ship_only_entering_rows_and_keep_the_buffers_exact():
   rng = np.random.default_rng(2)
   keys, values = rng.standard_normal((2, 2, 1, 30, 8), dtype=np.float32)
-  mirror = DeviceMirror(2, 1, 2, 3 + 4, 8)
   none = np.full((2, 1), -1)
   ek = np.zeros((2, 1, 1, 8), np.float32)
   eq = np.zeros((2, 1, 2, 8), np.float32)

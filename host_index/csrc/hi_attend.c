@@ -235,8 +235,8 @@ int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap
   for (int64_t t = 0; t < T; t++)
     if (heads[t] < 0 || heads[t] >= Hkv || ids[t] < -1 || ids[t] >= len) return HI_EINVAL;
   /* Rows sit at random places in the store: the copy waits on memory latency, not on
-   * arithmetic, so a thread per 16 KiB of rows pays off (a team per 4 * HI_MIN_WORK bytes
-   * left one or two threads copying 2K rows for 8B shapes). */
+   * arithmetic, so a thread per 16 KiB of rows (sizing by T * row / 4 operations gave 2
+   * threads for 2K rows of 256 B, the 8B shapes' per-layer gather). */
 #pragma omp parallel for schedule(static) num_threads(hi_team(threads, T, T * (int64_t)row * 4))
   for (int64_t t = 0; t < T; t++) {
     char *dk = (char *)out_k + (size_t)t * row;
@@ -253,19 +253,39 @@ int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap
   return HI_OK;
 }
 
-/* Open addressing over a row's wanted ids: table[] holds indices into wanted (-1 = empty). */
-static int64_t *slot_probe(int64_t *table, int64_t mask, const int64_t *wanted, int64_t id) {
+/* Per-row id sets for assign_slots and count_common: open addressing over one row's ids,
+ * table[] holding indices into that row (-1 = empty); a repeated id keeps its first index. */
+static int64_t *slot_probe(int64_t *table, int64_t mask, const int64_t *ids, int64_t id) {
   uint64_t h = (uint64_t)id * 0x9E3779B97F4A7C15ull;
   for (int64_t at = (int64_t)(h >> 32) & mask;; at = (at + 1) & mask)
-    if (table[at] < 0 || wanted[table[at]] == id) return &table[at];
+    if (table[at] < 0 || ids[table[at]] == id) return &table[at];
+}
+
+static int64_t id_table_size(int64_t m) { /* a power of two >= 2m: short probe runs */
+  int64_t size = 2;
+  while (size < 2 * m) size *= 2;
+  return size;
+}
+
+static void id_table_fill(int64_t *table, int64_t size, const int64_t *ids, int64_t m) {
+  for (int64_t i = 0; i < size; i++) table[i] = -1;
+  for (int64_t j = 0; j < m; j++) {
+    if (ids[j] < 0) continue;
+    int64_t *e = slot_probe(table, size - 1, ids, ids[j]);
+    if (*e < 0) *e = j;
+  }
+}
+
+static int ids_valid(const int64_t *ids, int64_t n) { /* -1 = none; anything lower is an error */
+  for (int64_t i = 0; i < n; i++)
+    if (ids[i] < -1) return 0;
+  return 1;
 }
 
 int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64_t S, int64_t *writes,
                     int threads) {
-  for (int64_t i = 0; i < R * S; i++)
-    if (held[i] < -1 || wanted[i] < -1) return HI_EINVAL;
-  int64_t size = 2;
-  while (size < 2 * S) size *= 2;
+  if (!ids_valid(held, R * S) || !ids_valid(wanted, R * S)) return HI_EINVAL;
+  const int64_t size = id_table_size(S);
   int err = HI_OK;
 #pragma omp parallel num_threads(hi_team(threads, R, R * S * 8))
   {
@@ -280,13 +300,8 @@ int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64
       if (!table) continue;
       const int64_t *h = held + r * S, *w = wanted + r * S;
       int64_t *out = writes + r * S, *kept = table + size;
-      for (int64_t i = 0; i < size; i++) table[i] = -1;
-      for (int64_t j = 0; j < S; j++) {
-        kept[j] = 0;
-        if (w[j] < 0) continue;
-        int64_t *e = slot_probe(table, size - 1, w, w[j]);
-        if (*e < 0) *e = j; /* a repeated id keeps its first entry */
-      }
+      id_table_fill(table, size, w, S);
+      for (int64_t j = 0; j < S; j++) kept[j] = 0;
       for (int64_t s = 0; s < S; s++) { /* held ids still wanted stay put; the rest is free (-3) */
         out[s] = -3;
         if (h[s] < 0) continue;
@@ -312,12 +327,8 @@ int hi_assign_slots(const int64_t *held, const int64_t *wanted, int64_t R, int64
 
 int hi_count_common(const int64_t *a, int64_t n, const int64_t *b, int64_t m, int64_t R, int64_t *counts,
                     int threads) {
-  for (int64_t i = 0; i < R * n; i++)
-    if (a[i] < -1) return HI_EINVAL;
-  for (int64_t i = 0; i < R * m; i++)
-    if (b[i] < -1) return HI_EINVAL;
-  int64_t size = 2;
-  while (size < 2 * m) size *= 2;
+  if (!ids_valid(a, R * n) || !ids_valid(b, R * m)) return HI_EINVAL;
+  const int64_t size = id_table_size(m);
   int err = HI_OK;
 #pragma omp parallel num_threads(hi_team(threads, R, R * (n + m) * 8))
   {
@@ -330,12 +341,7 @@ int hi_count_common(const int64_t *a, int64_t n, const int64_t *b, int64_t m, in
     for (int64_t r = 0; r < R; r++) {
       if (!table) continue;
       const int64_t *x = a + r * n, *y = b + r * m;
-      for (int64_t i = 0; i < size; i++) table[i] = -1;
-      for (int64_t j = 0; j < m; j++) {
-        if (y[j] < 0) continue;
-        int64_t *e = slot_probe(table, size - 1, y, y[j]);
-        if (*e < 0) *e = j;
-      }
+      id_table_fill(table, size, y, m);
       int64_t count = 0;
       for (int64_t i = 0; i < n; i++)
         if (x[i] >= 0 && *slot_probe(table, size - 1, y, x[i]) >= 0) count++;

@@ -783,12 +783,19 @@ static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
 
 /* The six buffers of a K/V gather: k, v, two int64 index arrays (read), out_k,
  * out_v (written). Returns how many were acquired (6 = all; fewer = error set). */
+/* Buffers objs[0..count) of at least need[i] bytes, those from first_writable on writable;
+ * returns how many were acquired (count on success; the caller releases that many). */
+static int get_bufs(PyObject *const *objs, const Py_ssize_t *need, int count, int first_writable,
+                    Py_buffer *b, const char *what) {
+  int nb = 0;
+  for (; nb < count; nb++)
+    if (get_buf(objs[nb], &b[nb], nb >= first_writable, need[nb], what) < 0) break;
+  return nb;
+}
+
 static int get_kv_out_bufs(PyObject *objs[6], const Py_ssize_t need[6], Py_buffer b[6],
                            const char *what) {
-  int nb = 0;
-  for (; nb < 6; nb++)
-    if (get_buf(objs[nb], &b[nb], nb >= 4, need[nb], what) < 0) break;
-  return nb;
+  return get_bufs(objs, need, 6, 4, b, what);
 }
 
 /* gather_pages(k, v, dtype, Hkv, cap, len, dim, page, heads, page_ids, P, out_k, out_v, threads) */
@@ -866,22 +873,16 @@ static PyObject *py_assign_slots(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer b[3];
-  const Py_ssize_t need = R * S * 8;
-  if (get_buf(ho, &b[0], 0, need, "held") < 0) return NULL;
-  if (get_buf(wo, &b[1], 0, need, "wanted") < 0) {
-    PyBuffer_Release(&b[0]);
-    return NULL;
+  PyObject *objs[3] = {ho, wo, oo};
+  const Py_ssize_t need[3] = {R * S * 8, R * S * 8, R * S * 8};
+  const int nb = get_bufs(objs, need, 3, 2, b, "assign_slots");
+  int err = HI_OK;
+  if (nb == 3) {
+    Py_BEGIN_ALLOW_THREADS err = hi_assign_slots(b[0].buf, b[1].buf, R, S, b[2].buf, threads);
+    Py_END_ALLOW_THREADS
   }
-  if (get_buf(oo, &b[2], 1, need, "writes") < 0) {
-    PyBuffer_Release(&b[0]);
-    PyBuffer_Release(&b[1]);
-    return NULL;
-  }
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_assign_slots(b[0].buf, b[1].buf, R, S, b[2].buf, threads);
-  Py_END_ALLOW_THREADS
-  for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
-  if (raise_err(err) < 0) return NULL;
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < 3 || raise_err(err) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -897,21 +898,16 @@ static PyObject *py_count_common(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer b[3];
-  if (get_buf(ao, &b[0], 0, R * n * 8, "a") < 0) return NULL;
-  if (get_buf(bo, &b[1], 0, R * m * 8, "b") < 0) {
-    PyBuffer_Release(&b[0]);
-    return NULL;
+  PyObject *objs[3] = {ao, bo, co};
+  const Py_ssize_t need[3] = {R * n * 8, R * m * 8, R * 8};
+  const int nb = get_bufs(objs, need, 3, 2, b, "count_common");
+  int err = HI_OK;
+  if (nb == 3) {
+    Py_BEGIN_ALLOW_THREADS err = hi_count_common(b[0].buf, n, b[1].buf, m, R, b[2].buf, threads);
+    Py_END_ALLOW_THREADS
   }
-  if (get_buf(co, &b[2], 1, R * 8, "counts") < 0) {
-    PyBuffer_Release(&b[0]);
-    PyBuffer_Release(&b[1]);
-    return NULL;
-  }
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_count_common(b[0].buf, n, b[1].buf, m, R, b[2].buf, threads);
-  Py_END_ALLOW_THREADS
-  for (int i = 0; i < 3; i++) PyBuffer_Release(&b[i]);
-  if (raise_err(err) < 0) return NULL;
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < 3 || raise_err(err) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
