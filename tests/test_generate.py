@@ -24,9 +24,9 @@ def tiny_model(family="llama", seed=0, **overrides) -> TinyModel:
   if family == "gemma3":
     extra = dict(qk_norm=True, sandwich_norms=True, layer_windows=(6, 0), rope_local_theta=100.0,
                  activation="gelu_tanh", embed_scale=8.0)
-  cfg = ModelConfig(name=f"tiny-{family}", family=family, vocab_size=97, hidden_size=64, num_layers=2,
-                    num_heads=6, num_kv_heads=2, head_dim=16, intermediate_size=96, max_position=256,
-                    rope_theta=10000.0, **(extra | overrides))
+  fields = dict(name=f"tiny-{family}", family=family, vocab_size=97, hidden_size=64, num_layers=2, num_heads=6,
+                num_kv_heads=2, head_dim=16, intermediate_size=96, max_position=256, rope_theta=10000.0)
+  cfg = ModelConfig(**(fields | extra | overrides))
   shapes = param_shapes(cfg)
   paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
   keys = jax.random.split(jax.random.key(seed), len(paths))

@@ -32,6 +32,10 @@ class AttentionPolicy(abc.ABC):
   # Options that may differ between prefill and decode of a saved context (they do not
   # shape the state); a plain class attribute, not a dataclass field.
   decode_options = ("implementation",)
+  # Whether `write_prompt` is implemented (kvjax.synthetic fills contexts through it), and
+  # whether it reads the queries (the synthetic filler draws them only then).
+  takes_written_prompt = False
+  reads_prompt_queries = False
 
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:
@@ -52,6 +56,20 @@ class AttentionPolicy(abc.ABC):
 
   def describe(self) -> str:
     return self.name
+
+  def write_prompt(
+      self,
+      cfg: ModelConfig,
+      layer,  # [] int32, traced
+      q,  # [batch, seq, num_heads, head_dim] after RoPE, or None unless reads_prompt_queries
+      k,  # [batch, seq, num_kv_heads, head_dim] after RoPE
+      v,  # [batch, seq, num_kv_heads, head_dim]
+      positions,  # [batch, seq] int32; out-of-range positions (>= capacity) are dropped
+      state: Any,
+  ) -> Any:
+    """Stores prompt tokens in the prefill state without attending, as a prefill chunk would
+    (kvjax.synthetic builds contexts this way); `finish_prefill` follows as after a prefill."""
+    raise ValueError(f"policy {self.name!r} cannot take a written (synthetic) prompt")
 
   def forward_hidden(
       self,

@@ -71,7 +71,7 @@ import host_index
 import ops
 from kvjax import freekv_host
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
-from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend
+from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
 
@@ -252,6 +252,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   implementation: str = "auto"
   name: str = "freekv"
   decode_options = ("speculative", "tau", "implementation")
+  takes_written_prompt = True
 
   def __post_init__(self):
     for field, low in (("budget", 1), ("page_size", 1), ("sinks", 0), ("window", 1)):
@@ -399,6 +400,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return jax.lax.cond(slot >= 0,
                         lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
                         lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
+
+  def write_prompt(self, cfg, layer, q, k, v, positions, state: FreeKVState) -> FreeKVState:
+    return state.replace(dense=write_dense(state.dense, layer, k, v, positions))
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
     o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,

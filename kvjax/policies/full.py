@@ -74,6 +74,16 @@ def dense_attention(
       implementation=implementation)
 
 
+def write_dense(
+    cache: DenseKVCache,  # [cache layers, batch, kv_heads, capacity, head_dim] each
+    slot,  # [] int32: the layer's index in `cache`
+    k,  # [batch, seq, num_kv_heads, head_dim]
+    v,  # [batch, seq, num_kv_heads, head_dim]
+    positions,  # [batch, seq] int32; out-of-range positions are dropped
+) -> DenseKVCache:
+  return DenseKVCache(k=write_tokens(cache.k, slot, k, positions), v=write_tokens(cache.v, slot, v, positions))
+
+
 def write_and_attend(
     cfg: ModelConfig,
     cache: DenseKVCache,  # [cache layers, batch, kv_heads, capacity, head_dim] each
@@ -91,7 +101,7 @@ def write_and_attend(
   `window` defaults to the sliding window of model layer `slot` (pass it when the cache holds
   a subset of the layers).
   """
-  cache = DenseKVCache(k=write_tokens(cache.k, slot, k, positions), v=write_tokens(cache.v, slot, v, positions))
+  cache = write_dense(cache, slot, k, v, positions)
   o, _ = dense_attention(cfg, slot, q, positions, cache.k, cache.v, implementation=resolve_implementation(implementation),
                          window=window)
   return o.astype(jnp.float32), cache
@@ -113,6 +123,7 @@ class FullAttention(AttentionPolicy):
 
   implementation: str = "auto"
   name: str = "full"
+  takes_written_prompt = True
 
   def __post_init__(self):
     if self.implementation not in ("auto", "pallas", "xla"):
@@ -121,6 +132,9 @@ class FullAttention(AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> DenseKVCache:
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     return DenseKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+  def write_prompt(self, cfg, layer, q, k, v, positions, state: DenseKVCache) -> DenseKVCache:
+    return write_dense(state, layer, k, v, positions)
 
   def attend(self, cfg, layer, q, k, v, positions, state: DenseKVCache):
     return write_and_attend(cfg, state, layer, q, k, v, positions, implementation=self.implementation)

@@ -41,7 +41,7 @@ import host_index
 import ops
 from kvjax import host_runtime, prefetch_runtime
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
-from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend
+from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
 
 INDEX_KINDS = ("roar", "graph", "ivf", "flat")
@@ -118,6 +118,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   roar_heads: str = "query"
   name: str = "retrieval"
   decode_options = ("topk", "ef", "speculative", "tau", "implementation")
+  takes_written_prompt = True
+  reads_prompt_queries = True  # roar's training queries and the window's queries
 
   def __post_init__(self):
     if self.index not in INDEX_KINDS:
@@ -277,8 +279,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
-                                implementation=self.implementation)
+    state = self.write_prompt(cfg, layer, q, k, v, positions, state)
+    o, _ = dense_attention(cfg, layer, q, positions, state.dense.k, state.dense.v,
+                           implementation=resolve_implementation(self.implementation))
+    return o.astype(jnp.float32), state
+
+  def write_prompt(self, cfg, layer, q, k, v, positions, state: RetrievalState) -> RetrievalState:
+    dense = write_dense(state.dense, layer, k, v, positions)
     B = q.shape[0]
     batch_ids = jnp.arange(B, dtype=jnp.int32)[:, None]
     valid = positions < state.prompt_lengths[:, None]  # [B, T]; padding past a prompt is not stored
@@ -292,7 +299,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     in_window = valid & (positions >= S) & (positions >= state.prompt_lengths[:, None] - W)
     q_slot = jnp.where(in_window, (positions - S) % W, W)
     ring_q = state.ring_q.at[layer, batch_ids, :, q_slot].set(q.astype(state.ring_q.dtype), mode="drop")
-    return o, state.replace(dense=dense, train_q=train_q, ring_q=ring_q)
+    return state.replace(dense=dense, train_q=train_q, ring_q=ring_q)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: RetrievalState):
     o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
