@@ -112,20 +112,9 @@ def run(model, key: str, context_len: int, batch: int, saved: dict, scratch: pat
       kvjax.save_context(context, path)
       saved[shared] = (path, prefill_total)
   result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
-  steps = max(1, len(result.decode_seconds) + 1)
   row = dict(policy=key, describe=result.policy, context=context_len, batch=batch,
-             decode_ms=round(result.ms_per_token, 3), prefill_and_index_s=round(prefill_total, 2),
-             state_bytes=result.kv_bytes, peak_device_bytes=result.peak_device_bytes)
-  if result.after_step_seconds:  # the jitted step vs the host work between steps, medians
-    row["jitted_step_ms"] = round(1e3 * float(np.median(np.subtract(result.decode_seconds, result.after_step_seconds))), 3)
-    row["after_step_ms"] = round(1e3 * float(np.median(result.after_step_seconds)), 3)
-  for stat, value in result.policy_stats.items():
-    if stat.endswith("_seconds"):
-      row[f"{stat[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)
-    elif isinstance(value, float):
-      row[stat] = round(value, 4)
-    elif value is not None:
-      row[stat] = value
+             prefill_and_index_s=round(prefill_total, 2))
+  row |= results_io.decode_fields(result)
   return row
 
 

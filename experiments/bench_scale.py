@@ -1,13 +1,23 @@
-"""Decode throughput and per-token latency with the KV heads sharded over N devices of one host.
+"""Decode latency and throughput as contexts, batches and devices grow.
 
-    python experiments/bench_scale.py --devices=4 --context_len=32768 --batch=1
-    python experiments/bench_scale.py --devices=1,2,4,8 --policies=full,retrieval,freekv
+    python experiments/bench_scale.py --model=smollm2 --context=synthetic \\
+        --context_lens=131072,262144,524288,1048576 --policies=full,freekv,retrieval_step_lag2 --index=flat
+    python experiments/bench_scale.py --devices=1,2 --context_lens=131072 --policies=full,retrieval,freekv
+    python experiments/bench_scale.py --context=synthetic --context_lens=131072 --batches=1,4,8
 
-For each device count the model is loaded sharded (`kvjax.load_model(..., devices=N)`, see
-kvjax.sharding) and every policy prefills the same random prompt(s) and decodes `--steps`
-tokens. Rows: decode_ms (median per-token step latency, first step dropped), tokens_per_s
-(batch / decode_ms), prefill_and_index_s, the policy state's bytes over all devices, and the
-host callbacks per step (one per sparse layer per device). Random weights: timing only.
+For each device count, context length, batch and policy a context is built and `--steps` tokens
+are decoded. `--context=real` prefills random token ids (the model is loaded sharded over the
+devices, kvjax.sharding). `--context=synthetic` (one device) runs one real calibration prefill
+of `--calibration_len` tokens and writes every context from its statistics without running the
+model over it (kvjax.synthetic): the only way to reach 1M tokens within one run. Its rows say
+"synthetic": search cost, scan fractions and hit rates measured on them are those of Gaussian
+draws, not of the model.
+
+Rows: decode_ms (median per-token step latency, first step dropped) and its parts,
+tokens_per_s (batch / decode_ms), prefill_and_index_s (prefill or synthetic fill, plus the
+policy's offload and index build), device state bytes, host bytes (store + indexes) and host
+callbacks per step. Summary rows: each policy's decode_ms relative to its shortest context
+(growth), and its best tokens/s over the batches at each length.
 
 On a CPU it runs with simulated devices (`jax_num_cpu_devices` is set to the largest
 --devices), which proves the program, not its speed: do not record CPU numbers as results.
@@ -26,14 +36,20 @@ POLICIES = {
     "full": ("full", {}),
     "retrieval": ("retrieval", {}),
     "retrieval_spec": ("retrieval", {"speculative": True}),
+    "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
     "freekv": ("freekv", {}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name (its KV heads must be divisible by --devices).")
 flags.DEFINE_list("devices", ["1"], "Device counts to shard the KV heads over (1 = the unsharded path).")
 flags.DEFINE_list("policies", ["full"], f"Policies, from {list(POLICIES)}.")
-flags.DEFINE_integer("context_len", 32768, "Prompt length.")
-flags.DEFINE_integer("batch", 1, "Sequences decoded together.")
+flags.DEFINE_list("context_lens", ["32768"], "Context lengths (tokens per sequence).")
+flags.DEFINE_list("batches", ["1"], "Sequences decoded together.")
+flags.DEFINE_enum("context", "real", ["real", "synthetic"],
+                  "Prefill random token ids, or write synthetic contexts from a calibration prefill's statistics.")
+flags.DEFINE_enum("calibration", "text", ["text", "random"],
+                  "Synthetic: calibrate on essay-like haystack text (models with a tokenizer) or random ids.")
+flags.DEFINE_integer("calibration_len", 8192, "Synthetic: tokens of the calibration prefill.")
 flags.DEFINE_integer("steps", 32, "Decode steps per policy.")
 flags.DEFINE_string("dtype", "bfloat16", "Weight and KV dtype.")
 flags.DEFINE_string("index", "graph", "Host index of the retrieval policies.")
@@ -41,13 +57,20 @@ flags.DEFINE_integer("retrieval_topk", 100, "Top-k of the retrieval policies.")
 flags.DEFINE_integer("sinks", None, "Device-resident first tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("window", None, "Device-resident recent tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("budget", None, "freekv's token budget (default: its own).")
-flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk.")
+flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
-NOTES = ("Heads sharded over N devices (kvjax.sharding): tensor-parallel weights, two all-reduces per layer. "
-         "Random weights: latency only. decode_ms is the median step after the first; tokens_per_s = batch / "
-         "decode_ms.")
+
+
+def notes() -> str:
+  weights = ("Random weights: latency only. " if FLAGS.model.startswith("random:") else
+             f"Real weights ({FLAGS.model}). ")
+  context = ("Real contexts: random token ids. " if FLAGS.context == "real" else
+             f"SYNTHETIC contexts (kvjax.synthetic, calibration: {FLAGS.calibration_len} tokens of "
+             f"{FLAGS.calibration}): latency and memory only; search costs are those of Gaussian draws. ")
+  return (weights + context + "Heads sharded over N devices where devices > 1 (tensor-parallel weights, two "
+          "all-reduces per layer). decode_ms is the median step after the first; tokens_per_s = batch / decode_ms.")
 
 
 def policy_options(name: str, options: dict) -> dict:
@@ -61,40 +84,87 @@ def policy_options(name: str, options: dict) -> dict:
   return options
 
 
-def run(model, devices: int, key: str) -> dict:
+def calibration_prompt(model) -> tuple[list[int], str]:
+  """Token ids of the synthetic contexts' calibration prefill, and what they are."""
+  from kvjax import prompts as prompts_lib
+
+  n = FLAGS.calibration_len
+  if FLAGS.calibration == "text":
+    if model.tokenizer is None:
+      raise app.UsageError(f"--calibration=text needs a model with a tokenizer; {FLAGS.model} has none "
+                           "(pass --calibration=random)")
+    ids = model.tokenizer.encode(" ".join(prompts_lib.haystack_sentences("essay", n // 4, seed=0)))
+    if len(ids) < n:
+      raise ValueError(f"haystack text gave {len(ids)} tokens < --calibration_len={n}")
+    return ids[:n], "essay text"
+  rng = np.random.default_rng(n)
+  return [int(t) for t in rng.integers(0, model.cfg.vocab_size, size=n)], "random token ids"
+
+
+def run(model, devices: int, key: str, length: int, batch: int, stats) -> dict:
   import kvjax
+  import results_io
+  from kvjax import synthetic
 
   name, options = POLICIES[key]
-  rng = np.random.default_rng(FLAGS.context_len + FLAGS.batch)
-  prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=FLAGS.context_len)]
-             for _ in range(FLAGS.batch)]
+  options = policy_options(name, options)
   t0 = time.perf_counter()
-  context = kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name,
-                          policy_options=policy_options(name, options), prefill_chunk=FLAGS.prefill_chunk)
+  if stats is None:
+    rng = np.random.default_rng(length + batch)
+    prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=length)] for _ in range(batch)]
+    context = kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name, policy_options=options,
+                            prefill_chunk=FLAGS.prefill_chunk)
+  else:
+    context = synthetic.synthetic_prefill(model, stats, [length] * batch, max_new_tokens=FLAGS.steps, policy=name,
+                                          policy_options=options, seed=length + batch)
   prefill_total = time.perf_counter() - t0
   result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
   steps = max(1, len(result.decode_seconds) + 1)
-  stats = result.policy_stats
-  callbacks = stats.get("callbacks", stats.get("host_callbacks"))
-  return dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy,
-              context=FLAGS.context_len, batch=FLAGS.batch, decode_ms=round(result.ms_per_token, 3),
-              tokens_per_s=round(FLAGS.batch * 1e3 / result.ms_per_token, 2),
-              prefill_and_index_s=round(prefill_total, 2), state_bytes=result.kv_bytes,
-              callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
+  callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
+  row = dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy, context_kind=FLAGS.context,
+             context=length, batch=batch, tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
+             prefill_and_index_s=round(prefill_total, 2),
+             callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
+  return row | results_io.decode_fields(result)
+
+
+def summaries(rows: list[dict]) -> list[dict]:
+  """Growth of decode_ms with the context (batch 1 where measured, else the smallest batch) and
+  the best tokens/s over the batches, per (devices, policy)."""
+  ok = [r for r in rows if "decode_ms" in r]
+  out = []
+  for devices, key in dict.fromkeys((r["devices"], r["policy"]) for r in ok):
+    mine = [r for r in ok if r["devices"] == devices and r["policy"] == key]
+    batch = min(r["batch"] for r in mine)
+    by_len = {r["context"]: r["decode_ms"] for r in mine if r["batch"] == batch}
+    shortest = min(by_len)
+    growth = {f"growth_{n}": round(ms / by_len[shortest], 3) for n, ms in sorted(by_len.items())}
+    best = {}
+    for r in mine:
+      if r["tokens_per_s"] > best.get(r["context"], (0, 0))[0]:
+        best[r["context"]] = (r["tokens_per_s"], r["batch"])
+    out.append(dict(devices=devices, policy=key, growth_batch=batch, growth_from=shortest, **growth,
+                    **{f"best_tokens_per_s_{n}": f"{t} (batch {b})" for n, (t, b) in sorted(best.items())}))
+  return out
 
 
 def main(argv):
   del argv
   counts = [int(n) for n in FLAGS.devices]
+  lengths = [int(n) for n in FLAGS.context_lens]
+  batches = [int(n) for n in FLAGS.batches]
   unknown = sorted(set(FLAGS.policies) - set(POLICIES))
   if unknown:
     raise app.UsageError(f"unknown --policies {unknown}; known: {list(POLICIES)}")
-  if min(counts) < 1:
-    raise app.UsageError(f"--devices={FLAGS.devices}: counts must be >= 1")
+  if min(counts) < 1 or min(lengths) < 1 or min(batches) < 1:
+    raise app.UsageError(f"--devices, --context_lens and --batches must be >= 1: {counts}, {lengths}, {batches}")
+  if FLAGS.context == "synthetic" and counts != [1]:
+    raise app.UsageError(f"--context=synthetic runs on one device, not --devices={FLAGS.devices}")
   # Simulated CPU devices (set before JAX starts its backends; no effect on GPUs).
   jax.config.update("jax_num_cpu_devices", max(counts))
   import kvjax
   import results_io
+  from kvjax import synthetic
   from models.config import RopeScaling
 
   rows = []
@@ -104,19 +174,28 @@ def main(argv):
     except ValueError as e:  # e.g. a device count that does not divide the KV heads
       raise app.UsageError(str(e)) from None
     cfg = model.cfg
-    if FLAGS.context_len + FLAGS.steps > cfg.max_context():
-      factor = 2.0 ** int(np.ceil(np.log2((FLAGS.context_len + FLAGS.steps) / cfg.max_position)))
+    longest = max(lengths) + FLAGS.steps
+    if longest > cfg.max_context():  # one scaling for every length, so their rows compare
+      factor = 2.0 ** int(np.ceil(np.log2(longest / cfg.max_position)))
       model = dataclasses.replace(model, cfg=cfg.with_rope_scaling(RopeScaling("linear", factor, cfg.max_position)))
-    for key in FLAGS.policies:
-      try:
-        row = run(model, devices, key)
-      except Exception as e:  # e.g. out of memory: the other cases still get measured
-        row = dict(devices=devices, policy=key, context=FLAGS.context_len, batch=FLAGS.batch,
-                   error=f"{type(e).__name__}: {e}"[:300])
-      print(row, flush=True)
-      rows.append(row)
-      # Written after every row: a run cut short by a time limit keeps what it measured.
-      results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=NOTES)
+    stats = None
+    if FLAGS.context == "synthetic":
+      prompt, source = calibration_prompt(model)
+      t0 = time.perf_counter()
+      stats = synthetic.fit_statistics(model, prompt, source=source, prefill_chunk=FLAGS.prefill_chunk)
+      print(f"calibration: {stats.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    for length in lengths:
+      for batch in batches:
+        for key in FLAGS.policies:
+          try:
+            row = run(model, devices, key, length, batch, stats)
+          except Exception as e:  # e.g. out of memory: the other cases still get measured
+            row = dict(devices=devices, policy=key, context_kind=FLAGS.context, context=length, batch=batch,
+                       error=f"{type(e).__name__}: {e}"[:300])
+          print(row, flush=True)
+          rows.append(row)
+          # Written after every row: a run cut short by a time limit keeps what it measured.
+          results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=summaries(rows))
     del model
 
 

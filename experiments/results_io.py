@@ -40,6 +40,28 @@ def stamp() -> dict:
   }
 
 
+def decode_fields(result) -> dict:
+  """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step) and
+  its two parts (the jitted step up to its token, the host work between steps), state bytes,
+  and the policy's counters (seconds as ms per step, means over the steps)."""
+  import numpy as np
+
+  steps = max(1, len(result.decode_seconds) + 1)
+  row = dict(decode_ms=round(result.ms_per_token, 3), state_bytes=result.kv_bytes,
+             peak_device_bytes=result.peak_device_bytes)
+  if result.after_step_seconds:
+    row["jitted_step_ms"] = round(1e3 * float(np.median(np.subtract(result.decode_seconds, result.after_step_seconds))), 3)
+    row["after_step_ms"] = round(1e3 * float(np.median(result.after_step_seconds)), 3)
+  for stat, value in result.policy_stats.items():
+    if stat.endswith("_seconds"):
+      row[f"{stat[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)
+    elif isinstance(value, float):
+      row[stat] = round(value, 4)
+    elif value is not None:
+      row[stat] = value
+  return row
+
+
 def markdown_table(rows: list[dict]) -> str:
   if not rows:
     return "(no rows)\n"

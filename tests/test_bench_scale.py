@@ -1,0 +1,42 @@
+"""experiments/bench_scale.py runs end to end on the CPU (synthetic and real contexts) and its
+summary rows follow from its rows."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(tmp_path, name, *flags):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_scale.py"), "--model=random:tiny",
+         "--dtype=float32", "--steps=4", f"--out_dir={tmp_path}", f"--name={name}", *flags]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_synthetic_contexts_at_two_lengths_and_batches(tmp_path):
+  doc = run_bench(tmp_path, "synthetic", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
+                  "--context_lens=2048,3072", "--batches=1,2", "--policies=full,freekv,retrieval_step_lag2",
+                  "--index=flat", "--sinks=32", "--window=64", "--budget=256")
+  rows = doc["rows"]
+  assert len(rows) == 2 * 2 * 3 and not [r for r in rows if "error" in r], rows
+  assert {r["context_kind"] for r in rows} == {"synthetic"} and "SYNTHETIC" in doc["notes"]
+  for r in rows:
+    assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_ms"], rel=1e-3, abs=0.01)  # both are rounded
+  for s in doc["summary"]:
+    mine = {(r["context"], r["batch"]): r for r in rows if r["policy"] == s["policy"]}
+    assert s["growth_2048"] == 1.0
+    assert s["growth_3072"] == pytest.approx(mine[3072, 1]["decode_ms"] / mine[2048, 1]["decode_ms"], abs=1e-3)
+  freekv = [r for r in rows if r["policy"] == "freekv"]
+  assert all(r["resident_bytes"] > 0 for r in freekv)  # the host store holds the context
+
+
+def test_real_contexts_on_two_simulated_devices(tmp_path):
+  doc = run_bench(tmp_path, "real", "--devices=1,2", "--context_lens=256", "--policies=full")
+  assert [r["devices"] for r in doc["rows"]] == [1, 2] and all("decode_ms" in r for r in doc["rows"])
