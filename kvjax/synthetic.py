@@ -309,7 +309,8 @@ def synthetic_prefill(
     seed: the draws' seed; the same seed gives the same keys and values whatever the policy.
     chunk: middle positions drawn per step (bounds the draws' device memory).
     on_fill_progress: called with (layers written, layers total).
-    on_index_progress: passed to the policy's finish_prefill (offload and index progress).
+    on_index_progress: called with (layers offloaded and indexed, layers total) by host-backed
+      policies.
 
   Returns:
     A PrefilledContext whose metadata["synthetic"] says what it is.
@@ -356,7 +357,12 @@ def synthetic_prefill(
   key = jax.random.key(seed)
 
   start_time = time.perf_counter()
-  state = attention.init_state(cfg, batch, capacity, jnp.dtype(cfg.dtype))
+  # Host-backed policies stage the fill: one sparse layer on the device at a time, offloaded
+  # before the next is drawn (a dense prefill cache of every layer is 128 GiB for 8B shapes
+  # at 4 x 128K); `full` keeps every layer on the device anyway.
+  staged = attention.stages_prefill
+  state = (attention.init_state(cfg, batch, capacity, jnp.dtype(cfg.dtype), staged=True) if staged else
+           attention.init_state(cfg, batch, capacity, jnp.dtype(cfg.dtype)))
   release = attention.release_fn(state)  # taken before the state is donated
   try:
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
@@ -378,6 +384,10 @@ def synthetic_prefill(
                           tiled(stats.tail_v[layer]), tail_pos, policy=attention, cfg=cfg)
       if on_fill_progress is not None:
         on_fill_progress(layer + 1, cfg.num_layers)
+      if staged:
+        state = attention.offload_layer(cfg, state, layer)
+        if on_index_progress is not None:
+          on_index_progress(layer + 1, cfg.num_layers)
     state = attention.finish_prefill(cfg, state, on_progress=on_index_progress)
     last_hidden = jnp.broadcast_to(jnp.asarray(stats.last_hidden), (batch, cfg.hidden_size)).astype(cfg.dtype)
     jax.block_until_ready(last_hidden)

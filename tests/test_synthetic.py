@@ -147,3 +147,32 @@ def test_host_memory_is_checked_before_filling(model, stats, monkeypatch):
   monkeypatch.setattr(synthetic, "_available_host_bytes", lambda: needed)
   with pytest.raises(ValueError, match="more than 90% of the"):
     synthetic.synthetic_prefill(model, stats, [1000, 700], policy="retrieval", policy_options=options)
+
+
+@pytest.mark.parametrize("policy, options", [
+    ("retrieval", dict(index="roar", topk=20, sinks=16, window=32, dense_layers=(1,))),
+    ("freekv", dict(budget=256, sinks=16, window=32, page_size=16, dense_layers=(0,))),
+])
+def test_staged_fill_equals_the_whole_cache_fill(model, stats, policy, options, monkeypatch):
+  """One sparse layer on the device at a time (offloaded as written) or every layer written
+  first and offloaded by finish_prefill: the same decode state and the same tokens."""
+  attention = kvjax.make_policy(policy, **options)
+  staged = attention.init_state(model.cfg, 2, 1024, jnp.float32, staged=True)
+  assert staged.dense.k.shape[0] == 2  # the dense layer + one staging slot, not every layer
+  attention.release_fn(staged)()
+
+  def run():
+    context = synthetic.synthetic_prefill(model, stats, [1000, 700], max_new_tokens=6, policy=policy,
+                                          policy_options=options, seed=2)
+    leaves = [np.asarray(x) for x in jax.tree.leaves(context.state.replace(runtime_id=0))]  # ids differ
+    result = kvjax.decode(model, context, max_new_tokens=6, stop_tokens=[], return_logits=True)
+    return leaves, result
+
+  staged_leaves, staged_result = run()
+  monkeypatch.setattr(type(attention), "stages_prefill", False)
+  whole_leaves, whole_result = run()
+  assert len(staged_leaves) == len(whole_leaves)
+  for a, b in zip(staged_leaves, whole_leaves):
+    np.testing.assert_array_equal(a, b)
+  assert staged_result.tokens == whole_result.tokens
+  np.testing.assert_array_equal(staged_result.logits, whole_result.logits)

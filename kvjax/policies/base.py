@@ -36,6 +36,7 @@ class AttentionPolicy(abc.ABC):
   # whether it reads the queries (the synthetic filler draws them only then).
   takes_written_prompt = False
   reads_prompt_queries = False
+  stages_prefill = False  # see HostBackedMixin
 
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:
@@ -140,6 +141,17 @@ class DenseLayersMixin:
     local = [l for l, w in enumerate(cfg.layer_windows) if w > 0]
     return tuple(sorted(set(self.dense_layers) | set(local)))
 
+  def prefill_slots(self, cfg: ModelConfig, staged: bool) -> np.ndarray:
+    """[L] int32: the dense prefill cache's slot of each layer. Unstaged, the cache holds every
+    layer; staged, it holds the dense layers (slots 0 .. n_dense - 1) and one staging slot
+    (n_dense) that each sparse layer uses in turn, offloaded before the next is written."""
+    if not staged:
+      return np.arange(cfg.num_layers, dtype=np.int32)
+    dense = self.dense_layer_ids(cfg)
+    table = np.full(cfg.num_layers, len(dense), np.int32)
+    table[list(dense)] = np.arange(len(dense), dtype=np.int32)
+    return table
+
   def dense_slot(self, cfg: ModelConfig, layer):
     """Index of `layer` (traced int32) in the decode-time dense cache, -1 for a sparse layer."""
     table = np.full(cfg.num_layers, -1, np.int32)
@@ -187,6 +199,11 @@ class HostBackedMixin:
     runtime = self.new_runtime(cfg, context)
     return state.replace(runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
 
+  # Host-backed policies can stage their prefill (`init_state(..., staged=True)`): the device
+  # holds one sparse layer's prompt at a time and `offload_layer` moves it to the host before
+  # the next is written (kvjax.synthetic fills contexts this way).
+  stages_prefill = True
+
   def reserve_decode_room(self, cfg: ModelConfig, context, capacity: int) -> None:
     """Sizes every host-resident (seq, layer) store for all the tokens decode can evict (the
     host holds positions from `sinks` on, the device the last `window`), so no decode step
@@ -198,6 +215,16 @@ class HostBackedMixin:
       if layer not in dense:
         for seq in range(context.num_seqs):
           context.store.reserve(seq, layer, room)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_layer(
+    stacked,  # [L, ...]
+    layer,  # [] int32
+    value,  # [...]
+):
+  """stacked[layer] = value, in place (the stacked array is donated)."""
+  return stacked.at[layer].set(value.astype(stacked.dtype))
 
 
 def layer_window(cfg: ModelConfig, layer):

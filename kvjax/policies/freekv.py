@@ -70,7 +70,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import freekv_host
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
@@ -93,6 +93,9 @@ class FreeKVState:
   runtime_id: jax.Array  # [] int32: key of the FreeKVRuntime in kvjax.host_runtime
   status: jax.Array  # [] int32: worst host callback status so far (0 = ok)
   decoding: bool = flax.struct.field(pytree_node=False, default=False)  # set by finish_prefill
+  # Prefill only: `dense` holds the dense layers and one staging slot, not every layer
+  # (DenseLayersMixin.prefill_slots); cleared by finish_prefill.
+  staged: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 # -- selection and recall planning (pure jnp, per layer) -------------------------------------
@@ -308,8 +311,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   # -- state and lifecycle -----------------------------------------------------------------
 
-  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> FreeKVState:
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype, *, staged: bool = False) -> FreeKVState:
     L, H, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    cached = len(self.dense_layer_ids(cfg)) + 1 if staged else L  # layers in the dense prefill cache
     S, W, P, n = self.sinks, self.window, self.page_size, self.n_sel
     num_pages = max(1, -(-(capacity - S) // P))
     context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
@@ -323,12 +327,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         pool_k=jnp.zeros(pool, dtype), pool_v=jnp.zeros(pool, dtype),
         pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
         prev_q=jnp.zeros((L, batch, Hq, D), jnp.float32), primed=jnp.zeros((L,), bool),
-        dense=DenseKVCache(k=jnp.zeros((L, batch, H, capacity, D), dtype),
-                           v=jnp.zeros((L, batch, H, capacity, D), dtype)),
+        dense=DenseKVCache(k=jnp.zeros((cached, batch, H, capacity, D), dtype),
+                           v=jnp.zeros((cached, batch, H, capacity, D), dtype)),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
-        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
+        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0), staged=staged)
 
   def begin_prefill(self, cfg, state: FreeKVState, prompt_lengths) -> FreeKVState:
+    self.reserve_decode_room(cfg, self.runtime(state).context, state.dense.capacity)
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
 
   def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
@@ -357,35 +362,38 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         resident_bytes=runtime.context.nbytes,  # host store
         **{f"host_{k}": v for k, v in s.as_dict().items()})
 
-  def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:
-    """Fills the rings, offloads the prompt's middle to the host and summarizes its pages."""
+  def offload_layer(self, cfg: ModelConfig, state: FreeKVState, layer: int) -> FreeKVState:
+    """Fills `layer`'s rings from its written prompt and, for a sparse layer, moves the
+    prompt's middle to the host store and summarizes its pages. A staged state's layers are
+    offloaded one by one as they are written; finish_prefill does all of an unstaged one."""
     lengths = np.asarray(state.prompt_lengths)
     S, W, P = self.sinks, self.window, self.page_size
+    slot = int(self.prefill_slots(cfg, state.staged)[layer])
+    k, v = state.dense.k[slot], state.dense.v[slot]  # [B, H, capacity, D]
+    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, W + P)
+    state = state.replace(ring_k=set_layer(state.ring_k, layer, ring_k[0]), ring_v=set_layer(state.ring_v, layer, ring_v[0]))
+    if layer in self.dense_layer_ids(cfg):
+      return state  # its summaries stay zero
     context = self.runtime(state).context
-    ring_k, ring_v = _rings_from_dense(state.dense.k, state.dense.v, jnp.asarray(lengths), S, W + P)
-    dense_ids = self.dense_layer_ids(cfg)
     host_len = np.maximum(lengths.astype(np.int64) - W - S, 0)
-    num_pages = state.kmax.shape[3]
-    self.reserve_decode_room(cfg, context, state.dense.capacity)
-    kmin, kmax = [], []
-    for layer in range(cfg.num_layers):
-      if layer in dense_ids:
-        kmin.append(jnp.zeros_like(state.kmin[layer]))
-        kmax.append(jnp.zeros_like(state.kmax[layer]))
-        continue
-      for b, n in enumerate(host_len):
-        if n:
-          context.append(b, layer, 0, np.asarray(state.dense.k[layer, b, :, S:S + n]),
-                         np.asarray(state.dense.v[layer, b, :, S:S + n]))
-      lo, hi = _prompt_summaries(state.dense.k[layer], jnp.asarray(host_len, jnp.int32), sinks=S, page_size=P,
-                                 num_pages=num_pages)
-      kmin.append(lo)
-      kmax.append(hi)
-      if on_progress is not None:
-        on_progress(layer + 1, cfg.num_layers)
-    ids = jnp.asarray(dense_ids, jnp.int32)
-    return state.replace(ring_k=ring_k, ring_v=ring_v, kmin=jnp.stack(kmin), kmax=jnp.stack(kmax),
-                         dense=DenseKVCache(k=state.dense.k[ids], v=state.dense.v[ids]), decoding=True)
+    for b, n in enumerate(host_len):
+      if n:
+        context.append(b, layer, 0, np.asarray(k[b, :, S:S + n]), np.asarray(v[b, :, S:S + n]))
+    lo, hi = _prompt_summaries(k, jnp.asarray(host_len, jnp.int32), sinks=S, page_size=P,
+                               num_pages=state.kmax.shape[3])
+    return state.replace(kmin=set_layer(state.kmin, layer, lo), kmax=set_layer(state.kmax, layer, hi))
+
+  def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:
+    """Offloads and summarizes every layer (unless staged: done already) and keeps only the
+    dense layers' caches."""
+    if not state.staged:
+      for layer in range(cfg.num_layers):
+        state = self.offload_layer(cfg, state, layer)
+        if on_progress is not None:
+          on_progress(layer + 1, cfg.num_layers)
+    keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(self.dense_layer_ids(cfg))], jnp.int32)
+    return state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]), decoding=True,
+                         staged=False)
 
   # -- attention -------------------------------------------------------------------------
 
@@ -402,9 +410,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
 
   def write_prompt(self, cfg, layer, q, k, v, positions, state: FreeKVState) -> FreeKVState:
-    return state.replace(dense=write_dense(state.dense, layer, k, v, positions))
+    slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
+    return state.replace(dense=write_dense(state.dense, slot, k, v, positions))
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
+    if state.staged:
+      raise ValueError("a staged prefill state takes written prompts (write_prompt), not prefill chunks")
     o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
                                 implementation=self.implementation)
     return o, state.replace(dense=dense)

@@ -40,7 +40,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import host_runtime, prefetch_runtime
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, set_layer
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
 
@@ -71,6 +71,9 @@ class RetrievalState:
   recent_k: jax.Array  # [L, B, Hkv, lag, D] tokens evicted in the last `lag` steps (not in buf yet)
   recent_v: jax.Array  # [L, B, Hkv, lag, D]
   recent_pos: jax.Array  # [L, B, lag] int32 their positions, -1 = empty slot
+  # Prefill only: `dense` holds the dense layers and one staging slot, not every layer
+  # (DenseLayersMixin.prefill_slots); cleared by finish_prefill.
+  staged: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,8 +165,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   # -- state -----------------------------------------------------------------------------
 
-  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> RetrievalState:
+  def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype, *, staged: bool = False) -> RetrievalState:
     L, Hkv, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    cached = len(self.dense_layer_ids(cfg)) + 1 if staged else L  # layers in the dense prefill cache
     ring = (L, batch, Hkv, self.sinks + self.window, D)
     roar = {"roar_heads": self.roar_heads} if self.index == "roar" else {}
     context = host_index.HostContext(
@@ -175,8 +179,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
         ring_q=jnp.zeros((L, batch, Hq, self.window, D), dtype),
-        dense=DenseKVCache(k=jnp.zeros((L, batch, Hkv, capacity, D), dtype),
-                           v=jnp.zeros((L, batch, Hkv, capacity, D), dtype)),
+        dense=DenseKVCache(k=jnp.zeros((cached, batch, Hkv, capacity, D), dtype),
+                           v=jnp.zeros((cached, batch, Hkv, capacity, D), dtype)),
         train_q=jnp.zeros((L, batch, Hq, train, D), dtype),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
         runtime_id=jnp.int32(runtime.id), status=jnp.int32(0),
@@ -186,9 +190,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         step_evicted_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
         step_evicted_pos=jnp.full((n, batch), -1, jnp.int32),
         recent_k=jnp.zeros((n, batch, Hkv, self.lag, D), dtype), recent_v=jnp.zeros((n, batch, Hkv, self.lag, D), dtype),
-        recent_pos=jnp.full((n, batch, self.lag), -1, jnp.int32))
+        recent_pos=jnp.full((n, batch, self.lag), -1, jnp.int32), staged=staged)
 
   def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
+    self.reserve_decode_room(cfg, self.runtime(state).context, state.dense.capacity)
     return state.replace(prompt_lengths=jnp.asarray(prompt_lengths, jnp.int32))
 
   def new_runtime(self, cfg: ModelConfig, context) -> host_runtime.HostRuntime:
@@ -279,13 +284,16 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    if state.staged:
+      raise ValueError("a staged prefill state takes written prompts (write_prompt), not prefill chunks")
     state = self.write_prompt(cfg, layer, q, k, v, positions, state)
     o, _ = dense_attention(cfg, layer, q, positions, state.dense.k, state.dense.v,
                            implementation=resolve_implementation(self.implementation))
     return o.astype(jnp.float32), state
 
   def write_prompt(self, cfg, layer, q, k, v, positions, state: RetrievalState) -> RetrievalState:
-    dense = write_dense(state.dense, layer, k, v, positions)
+    slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
+    dense = write_dense(state.dense, slot, k, v, positions)
     B = q.shape[0]
     batch_ids = jnp.arange(B, dtype=jnp.int32)[:, None]
     valid = positions < state.prompt_lengths[:, None]  # [B, T]; padding past a prompt is not stored
@@ -373,41 +381,52 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   # -- prefill -> decode -----------------------------------------------------------------
 
-  def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
-    """Fills the rings, offloads the prompt's middle to the host and builds the indexes."""
+  def offload_layer(self, cfg: ModelConfig, state: RetrievalState, layer: int) -> RetrievalState:
+    """Fills `layer`'s rings from its written prompt and, for a retrieval layer, moves the
+    prompt's middle to the host store and builds its indexes. A staged state's layers are
+    offloaded one by one as they are written; finish_prefill does all of an unstaged one."""
     lengths = np.asarray(state.prompt_lengths)
     S, W = self.sinks, self.window
-    runtime = self.runtime(state)
-    context = runtime.context
-    ring_k, ring_v = _rings_from_dense(state.dense.k, state.dense.v, jnp.asarray(lengths), S, W)
-    dense_ids = self.dense_layer_ids(cfg)
+    slot = int(self.prefill_slots(cfg, state.staged)[layer])
+    k, v = state.dense.k[slot], state.dense.v[slot]  # [B, Hkv, capacity, D]
+    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, W)
+    state = state.replace(ring_k=set_layer(state.ring_k, layer, ring_k[0]), ring_v=set_layer(state.ring_v, layer, ring_v[0]))
+    if layer in self.dense_layer_ids(cfg):
+      return state
+    context = self.runtime(state).context
     M = state.train_q.shape[3]
     stride = max(1, math.ceil(state.dense.capacity / M))
-    self.reserve_decode_room(cfg, context, state.dense.capacity)
-    for layer in range(cfg.num_layers):
-      if layer in dense_ids:
-        continue
-      for b, n in enumerate(lengths):
-        end = int(n) - W
-        if end <= S:
-          continue  # the whole prompt fits on the device
-        keys = state.dense.k[layer, b, :, S:end]  # [Hkv, N, D]
-        values = state.dense.v[layer, b, :, S:end]
-        context.append(b, layer, 0, np.asarray(keys), np.asarray(values))
-        if self.index == "roar":
-          count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
-          queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
-          _, ids = ops.exact_topk(queries, keys, min(self.train_topk, end - S))
-          context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
-                              train_topk=np.asarray(ids)[None])
-        else:
-          context.build_layer(layer, seqs=[b])
-      if on_progress is not None:
-        on_progress(layer + 1, cfg.num_layers)
-    dense = DenseKVCache(k=state.dense.k[jnp.asarray(dense_ids, jnp.int32)],
-                         v=state.dense.v[jnp.asarray(dense_ids, jnp.int32)])
-    state = state.replace(ring_k=ring_k, ring_v=ring_v, dense=dense, train_q=state.train_q[:, :, :, :0])
+    for b, n in enumerate(lengths):
+      end = int(n) - W
+      if end <= S:
+        continue  # the whole prompt fits on the device
+      keys, values = k[b, :, S:end], v[b, :, S:end]  # [Hkv, N, D]
+      context.append(b, layer, 0, np.asarray(keys), np.asarray(values))
+      if self.index == "roar":
+        count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
+        queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
+        _, ids = ops.exact_topk(queries, keys, min(self.train_topk, end - S))
+        context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
+                            train_topk=np.asarray(ids)[None])
+      else:
+        context.build_layer(layer, seqs=[b])
+    return state
+
+  def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
+    """Offloads and indexes every layer (unless staged: done already), keeps only the dense
+    layers' caches, and (per_step) fetches the first decode step's rows."""
+    if not state.staged:
+      for layer in range(cfg.num_layers):
+        state = self.offload_layer(cfg, state, layer)
+        if on_progress is not None:
+          on_progress(layer + 1, cfg.num_layers)
+    dense_ids = self.dense_layer_ids(cfg)
+    keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(dense_ids)], jnp.int32)
+    state = state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]),
+                          train_q=state.train_q[:, :, :, :0], staged=False)
     if self.bridge == "per_step":  # the first decode step's rows: selected by the last prompt token's query
+      lengths = np.asarray(state.prompt_lengths)
+      S, W = self.sinks, self.window
       L, B = cfg.num_layers, len(lengths)
       last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % W, jnp.int32)  # its slot in the query ring
       last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
