@@ -58,6 +58,8 @@ flags.DEFINE_integer("sinks", None, "Device-resident first tokens of the sparse 
 flags.DEFINE_integer("window", None, "Device-resident recent tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("budget", None, "freekv's token budget (default: its own).")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
+flags.DEFINE_boolean("layer_major", False, "Real contexts: layer-major prefill (one layer's prompt KV on the device "
+                     "at a time for retrieval and freekv; kvjax.prefill).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -113,7 +115,7 @@ def run(model, devices: int, key: str, length: int, batch: int, stats) -> dict:
     rng = np.random.default_rng(length + batch)
     prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=length)] for _ in range(batch)]
     context = kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name, policy_options=options,
-                            prefill_chunk=FLAGS.prefill_chunk)
+                            prefill_chunk=FLAGS.prefill_chunk, layer_major=FLAGS.layer_major)
   else:
     context = synthetic.synthetic_prefill(model, stats, [length] * batch, max_new_tokens=FLAGS.steps, policy=name,
                                           policy_options=options, seed=length + batch)
@@ -158,6 +160,8 @@ def main(argv):
     raise app.UsageError(f"unknown --policies {unknown}; known: {list(POLICIES)}")
   if min(counts) < 1 or min(lengths) < 1 or min(batches) < 1:
     raise app.UsageError(f"--devices, --context_lens and --batches must be >= 1: {counts}, {lengths}, {batches}")
+  if FLAGS.layer_major and (FLAGS.context == "synthetic" or counts != [1]):
+    raise app.UsageError("--layer_major applies to real contexts on one device (synthetic ones are staged anyway)")
   if FLAGS.context == "synthetic" and counts != [1]:
     raise app.UsageError(f"--context=synthetic runs on one device, not --devices={FLAGS.devices}")
   # Simulated CPU devices (set before JAX starts its backends; no effect on GPUs).

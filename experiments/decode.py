@@ -65,7 +65,8 @@ def main(argv):
     raise app.UsageError("give --save_context or --load_context, not both")
   if FLAGS.load_context:
     # --rope_scaling stays allowed: it is part of the model identity the context checks.
-    given = [f for f in ("prompt", "prompt_file", "context_len", "batch") if FLAGS[f].present]
+    given = [f for f in ("prompt", "prompt_file", "context_len", "batch", "prefill_chunk", "layer_major")
+             if FLAGS[f].present]
     if given:
       raise app.UsageError(f"--{given[0]} does not apply with --load_context (the context holds the prompt)")
     try:
@@ -92,7 +93,7 @@ def main(argv):
     prompt, passkey = _prompt(model)
     context = kvjax.prefill(model, [prompt] * FLAGS.batch, max_new_tokens=FLAGS.max_new_tokens, policy=policy,
                             prefill_chunk=FLAGS.prefill_chunk, on_prefill_progress=_progress,
-                            on_index_progress=_index_progress)
+                            on_index_progress=_index_progress, layer_major=FLAGS.layer_major)
     context.metadata["passkey"] = passkey
     if FLAGS.save_context:
       kvjax.save_context(context, FLAGS.save_context)

@@ -66,6 +66,8 @@ def define_flags() -> None:
   flags.DEFINE_string("save_context", None, "Save the prefilled context to this path.")
   flags.DEFINE_string("load_context", None, "Decode from a saved context instead of prefilling.")
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
+  flags.DEFINE_boolean("layer_major", False, "Prefill every chunk through one layer before the next (retrieval and "
+                       "freekv then hold one layer's prompt KV on the device at a time).")
 
 
 def parse_rope_scaling(spec: str | None, original_max_position: int) -> RopeScaling | None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from kvjax.policies.base import AttentionPolicy
 from kvjax.sampling import SamplingConfig, sample
 from models.config import ModelConfig
-from models.decoder import logits_from_hidden
+from models.decoder import decoder_layer, embed, final_norm, logits_from_hidden
 
 
 _NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
@@ -64,6 +64,47 @@ def prefill_chunk(
 
 prefill_chunk = _jit_by_layout(prefill_chunk, static_argnames=("cfg", "policy"),
                                donate_argnames=("state", "last_hidden"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def embed_chunk(params, tokens, *, cfg: ModelConfig):  # tokens [batch, chunk] int32 -> [batch, chunk, hidden]
+  return embed(params, cfg, tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy"), donate_argnames=("hidden", "state"))
+def prefill_layer_chunk(
+    layer_params,  # one layer's parameters
+    inv_freq,  # [head_dim // 2] float32: the layer's RoPE frequencies
+    rope_factor,  # [] float32
+    layer,  # [] int32
+    hidden,  # [batch, chunk, hidden]: the chunk's input to this layer
+    positions,  # [batch, chunk] int32
+    state,
+    *,
+    cfg: ModelConfig,
+    policy: AttentionPolicy,
+):
+  """Layer-major prefill: one prompt chunk through one layer -> (its output, state). One
+  compile serves every layer and chunk (the layer is traced, its weights an argument)."""
+  return decoder_layer(cfg, layer_params, hidden, positions, inv_freq, rope_factor, layer,
+                       attention_fn=functools.partial(policy.attend, cfg), attention_state=state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("last_hidden",))
+def pick_last_hidden(
+    params,
+    hidden,  # [batch, chunk, hidden]: a chunk's output of the last layer
+    positions,  # [batch, chunk] int32
+    last_index,  # [batch] int32: position of each prompt's last token
+    last_hidden,  # [batch, hidden]
+    *,
+    cfg: ModelConfig,
+):
+  """The final-normed hidden state at each prompt's last token, where this chunk holds it."""
+  offset = last_index - positions[:, 0]
+  in_chunk = (offset >= 0) & (offset < hidden.shape[1])
+  picked = hidden[jnp.arange(hidden.shape[0]), jnp.clip(offset, 0, hidden.shape[1] - 1)]
+  return jnp.where(in_chunk[:, None], final_norm(params, cfg, picked), last_hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"))

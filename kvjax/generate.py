@@ -159,6 +159,7 @@ def prefill(
     prefill_chunk: int = 1024,
     on_prefill_progress: Callable[[int, int], None] | None = None,
     on_index_progress: Callable[[int, int], None] | None = None,
+    layer_major: bool = False,
 ) -> PrefilledContext:
   """Runs the prompts through the model and prepares the policy's decode state.
 
@@ -176,13 +177,21 @@ def prefill(
     on_prefill_progress: called with (tokens done, tokens total) after each chunk.
     on_index_progress: called with (layers done, layers total) while the policy offloads and
       indexes the prompt (policies with a host side).
+    layer_major: run every chunk through one layer before the next (one device), instead of
+      each chunk through every layer. A host-backed policy (retrieval, freekv) then holds one
+      layer's prompt KV on the device at a time and offloads it before the next layer: device
+      memory for the prompt is one layer's KV plus the hidden states [batch, prompt, hidden],
+      not every layer's KV (128 GiB for 8B shapes at 1M tokens). Same results; progress is
+      then reported in prompt tokens times the share of layers done.
   """
   if max_new_tokens < 1:
     raise ValueError(f"{max_new_tokens=} must be >= 1")
   if prefill_chunk < 1:
     raise ValueError(f"{prefill_chunk=} must be >= 1")
-  attention = make_policy(policy, **(policy_options or {}))
   mesh = getattr(model, "mesh", None)  # kvjax.sharding.shard_model: heads over several devices
+  if layer_major and mesh is not None:
+    raise ValueError("layer_major prefill runs on one device; this model is sharded")
+  attention = make_policy(policy, **(policy_options or {}))
   if mesh is not None and not isinstance(attention, ShardedPolicy):
     attention = ShardedPolicy(attention, mesh)
   cfg = model.cfg
@@ -200,8 +209,11 @@ def prefill(
   for b, ids in enumerate(encoded):
     tokens[b, : len(ids)] = ids
 
+  staged = layer_major and attention.stages_prefill
+
   start = time.perf_counter()
-  state = attention.init_state(cfg, batch, capacity, dtype)
+  state = (attention.init_state(cfg, batch, capacity, dtype, staged=True) if staged else
+           attention.init_state(cfg, batch, capacity, dtype))
   release = attention.release_fn(state)  # taken before the state is donated
   try:
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))
@@ -209,15 +221,21 @@ def prefill(
     last_hidden = jnp.zeros((batch, cfg.hidden_size), dtype)
     if mesh is not None:  # placed as the chunks return it, so the second chunk does not recompile
       last_hidden = replicated(last_hidden, mesh)
-    for begin in range(0, padded_len, prefill_chunk):
-      chunk = jnp.asarray(tokens[:, begin : begin + prefill_chunk])
-      positions = jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), chunk.shape)
-      last_hidden, state = engine.prefill_chunk(
-          model.params, rope, chunk, positions, last_index, last_hidden, state, cfg=cfg, policy=attention)
-      if on_prefill_progress is not None:
-        jax.block_until_ready(last_hidden)
-        on_prefill_progress(min(begin + prefill_chunk, max(lengths)), max(lengths))
-    state = attention.finish_prefill(cfg, state, on_progress=on_index_progress)
+    chunks = [(jnp.asarray(tokens[:, begin : begin + prefill_chunk]),
+               jnp.broadcast_to(jnp.arange(begin, begin + prefill_chunk, dtype=jnp.int32), (batch, prefill_chunk)))
+              for begin in range(0, padded_len, prefill_chunk)]
+    if layer_major:
+      last_hidden, state = _layer_major(model, attention, rope, chunks, last_index, last_hidden, state,
+                                        staged=staged, on_prefill_progress=on_prefill_progress,
+                                        on_index_progress=on_index_progress, prompt_tokens=max(lengths))
+    else:
+      for i, (chunk, positions) in enumerate(chunks):
+        last_hidden, state = engine.prefill_chunk(
+            model.params, rope, chunk, positions, last_index, last_hidden, state, cfg=cfg, policy=attention)
+        if on_prefill_progress is not None:
+          jax.block_until_ready(last_hidden)
+          on_prefill_progress(min((i + 1) * prefill_chunk, max(lengths)), max(lengths))
+    state = attention.finish_prefill(cfg, state, on_progress=None if staged else on_index_progress)
     jax.block_until_ready(last_hidden)
   except BaseException:
     release()
@@ -226,6 +244,33 @@ def prefill(
       model_name=cfg.name, config_hash=cfg.config_hash(), dtype=cfg.dtype, policy=attention, state=state,
       prompt_lengths=lengths, capacity=capacity, last_hidden=last_hidden,
       prefill_seconds=time.perf_counter() - start, _release=release)
+
+
+def _layer_major(model, attention, rope, chunks, last_index, last_hidden, state, *, staged, on_prefill_progress,
+                 on_index_progress, prompt_tokens):
+  """Every chunk through layer 0, then layer 1, ...: the hidden states of the whole prompt
+  ([batch, chunk, hidden] per chunk) stay on the device between layers; a staged state's layer
+  is offloaded as soon as its last chunk has run."""
+  cfg, params = model.cfg, model.params
+  inv_freqs, factors = rope
+  layers = params["layers"]
+  hidden = [engine.embed_chunk(params, chunk, cfg=cfg) for chunk, _ in chunks]
+  for layer in range(cfg.num_layers):
+    # Stacked weights: this layer's slice (a copy of one layer); unrolled ones: its own dict.
+    lp = layers[layer] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda w: w[layer], layers)
+    for i, (_, positions) in enumerate(chunks):
+      hidden[i], state = engine.prefill_layer_chunk(lp, inv_freqs[layer], factors[layer], jnp.int32(layer), hidden[i],
+                                                    positions, state, cfg=cfg, policy=attention)
+    if staged:
+      state = attention.offload_layer(cfg, state, layer)
+      if on_index_progress is not None:
+        on_index_progress(layer + 1, cfg.num_layers)
+    if on_prefill_progress is not None:
+      jax.block_until_ready(hidden[-1])
+      on_prefill_progress(prompt_tokens * (layer + 1) // cfg.num_layers, prompt_tokens)
+  for h, (_, positions) in zip(hidden, chunks):
+    last_hidden = engine.pick_last_hidden(params, h, positions, last_index, last_hidden, cfg=cfg)
+  return last_hidden, state
 
 
 def check_model(model, context: PrefilledContext) -> None:

@@ -121,6 +121,31 @@ def embed(params, cfg: ModelConfig, tokens):  # tokens [B, T] int32 -> [B, T, hi
   return x
 
 
+def decoder_layer(
+    cfg: ModelConfig,
+    lp,  # one layer's parameters
+    x,  # [batch, seq, hidden]
+    positions,  # [batch, seq] int32
+    inv_freq,  # [head_dim // 2] float32: this layer's RoPE frequencies
+    rope_factor,  # [] float32
+    layer,  # [] int32 (or a Python int)
+    *,
+    attention_fn: AttentionFn,
+    attention_state: Any,
+    partial_sum: Callable[[jax.Array], jax.Array] | None = None,
+):
+  """One decoder layer (attention and MLP blocks with their residuals): (x, state)."""
+  partial_sum = partial_sum or (lambda y: y)
+  attn, state = _attention_block(cfg, lp, x, positions, inv_freq, rope_factor, layer, attention_fn,
+                                 attention_state, partial_sum)
+  x = x + attn
+  return x + _mlp_block(cfg, lp, x, partial_sum), state
+
+
+def final_norm(params, cfg: ModelConfig, x):  # x [..., hidden] after the last layer
+  return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
 def forward_hidden(
     params,
     tokens,  # [batch, seq] int32
@@ -143,10 +168,8 @@ def forward_hidden(
   def layer_step(carry, xs):
     x, state = carry
     lp, layer, inv_freq, factor = xs
-    attn, state = _attention_block(cfg, lp, x, positions, inv_freq, factor, layer, attention_fn, state,
-                                   partial_sum)
-    x = x + attn
-    x = x + _mlp_block(cfg, lp, x, partial_sum)
+    x, state = decoder_layer(cfg, lp, x, positions, inv_freq, factor, layer, attention_fn=attention_fn,
+                             attention_state=state, partial_sum=partial_sum)
     return (x, state), None
 
   if isinstance(params["layers"], (list, tuple)):  # unstacked: unrolled, weights read in place
@@ -158,7 +181,7 @@ def forward_hidden(
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, state), _ = jax.lax.scan(layer_step, (x, attention_state),
                                  (params["layers"], layer_ids, inv_freqs, factors))
-  return rms_norm(x, params["final_norm"], cfg.norm_eps), state
+  return final_norm(params, cfg, x), state
 
 
 def fuse_projections(params):

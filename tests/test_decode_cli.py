@@ -18,7 +18,8 @@ def decode(*flags, timeout=600):
 def test_save_then_load_context_gives_the_same_tokens(tmp_path):
   common = ["--model=random:tiny", "--max_new_tokens=12"]
   saved = decode(*common, "--context_len=700", "--policy=retrieval", "--index=flat", "--sinks=16",
-                 "--window=64", f"--save_context={tmp_path / 'ctx'}", f"--json_out={tmp_path / 'a.json'}")
+                 "--window=64", "--layer_major", f"--save_context={tmp_path / 'ctx'}",
+                 f"--json_out={tmp_path / 'a.json'}")
   assert saved.returncode == 0, saved.stderr[-3000:]
   loaded = decode(*common, f"--load_context={tmp_path / 'ctx'}", f"--json_out={tmp_path / 'b.json'}")
   assert loaded.returncode == 0, loaded.stderr[-3000:]
@@ -31,5 +32,7 @@ def test_save_then_load_context_gives_the_same_tokens(tmp_path):
 def test_flags_that_do_not_apply_are_errors(tmp_path):
   bad = decode("--model=random:tiny", "--context_len=100", "--policy=full", "--retrieval_topk=5", timeout=300)
   assert bad.returncode != 0 and "--retrieval_topk does not apply to --policy=full" in bad.stderr
+  staged = decode("--model=random:tiny", f"--load_context={tmp_path / 'none'}", "--layer_major", timeout=300)
+  assert staged.returncode != 0 and "--layer_major does not apply with --load_context" in staged.stderr
   missing = decode("--model=random:tiny", f"--load_context={tmp_path / 'none'}", timeout=300)
   assert missing.returncode != 0 and "not a saved kvjax context" in missing.stderr

@@ -70,7 +70,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import freekv_host
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, set_layer
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
@@ -414,10 +414,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return state.replace(dense=write_dense(state.dense, slot, k, v, positions))
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
-    if state.staged:
-      raise ValueError("a staged prefill state takes written prompts (write_prompt), not prefill chunks")
-    o, dense = write_and_attend(cfg, state.dense, layer, q, k, v, positions,
-                                implementation=self.implementation)
+    slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
+    o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
+                                window=layer_window(cfg, layer))
     return o, state.replace(dense=dense)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: FreeKVState):

@@ -40,7 +40,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import host_runtime, prefetch_runtime
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, set_layer
+from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
 
@@ -284,11 +284,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                         lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    if state.staged:
-      raise ValueError("a staged prefill state takes written prompts (write_prompt), not prefill chunks")
     state = self.write_prompt(cfg, layer, q, k, v, positions, state)
-    o, _ = dense_attention(cfg, layer, q, positions, state.dense.k, state.dense.v,
-                           implementation=resolve_implementation(self.implementation))
+    slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
+    o, _ = dense_attention(cfg, slot, q, positions, state.dense.k, state.dense.v,
+                           implementation=resolve_implementation(self.implementation), window=layer_window(cfg, layer))
     return o.astype(jnp.float32), state
 
   def write_prompt(self, cfg, layer, q, k, v, positions, state: RetrievalState) -> RetrievalState:
