@@ -176,3 +176,17 @@ def test_staged_fill_equals_the_whole_cache_fill(model, stats, policy, options, 
     np.testing.assert_array_equal(a, b)
   assert staged_result.tokens == whole_result.tokens
   np.testing.assert_array_equal(staged_result.logits, whole_result.logits)
+
+
+def test_a_saved_synthetic_context_says_so_and_decodes_the_same(model, stats, tmp_path):
+  options = dict(budget=256, sinks=16, window=32, page_size=16)
+  make = lambda: synthetic.synthetic_prefill(model, stats, [900], max_new_tokens=5, policy="freekv",
+                                             policy_options=options, seed=4)
+  context = make()
+  kvjax.save_context(context, tmp_path / "ctx")
+  direct = kvjax.decode(model, context, max_new_tokens=5, stop_tokens=[], return_logits=True)
+  loaded = kvjax.load_context(tmp_path / "ctx", model)
+  assert loaded.metadata["synthetic"].startswith("synthetic: Gaussian") and "seed 4" in loaded.metadata["synthetic"]
+  again = kvjax.decode(model, loaded, max_new_tokens=5, stop_tokens=[], return_logits=True)
+  assert again.tokens == direct.tokens
+  np.testing.assert_array_equal(again.logits, direct.logits)
