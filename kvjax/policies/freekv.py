@@ -11,8 +11,9 @@ n_sel = (budget - sinks - window) / page_size page slots per (layer, seq, KV hea
 ([L, B, Hkv, n_sel, P, D] keys and values, plus the store page in each slot).
 
 Prefill is dense (as in FreeKV); `finish_prefill` fills the rings, appends the prompt's
-middle to the host store and computes its page summaries from the dense cache. Decode, per
-sparse layer and step at position p:
+middle to the host store and computes its page summaries from the dense cache (a staged
+state, in a layer-major prefill or a synthetic context, does this per layer as each is written:
+`offload_layer`). Decode, per sparse layer and step at position p:
 
   * the token at p - window leaves the window: it is read from its ring slot, folded into its
     page's min/max, and handed to the layer's single host callback, which appends it. A page

@@ -11,7 +11,9 @@ prompt runs, together with a strided sample of the prefill queries. `finish_pref
 fills the rings, moves the middle of the prompt to the host store, computes the training
 queries' exact top-N_q keys on the device (ops.exact_topk) and builds the indexes; only
 layers kept dense (`dense_layers`, and every sliding-window layer of the model, which is
-local by construction) keep their dense cache for decode.
+local by construction) keep their dense cache for decode. A staged prefill state (layer-major
+prefill, synthetic contexts) holds only the dense layers and one staging slot, and each layer is
+offloaded and indexed (`offload_layer`) as soon as it is written.
 
 Decode, per retrieval layer and step: the token leaving the window (position p − window) is
 read from its ring slot before the new token overwrites it and is handed to the single host
