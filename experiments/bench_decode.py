@@ -21,19 +21,15 @@ a summary row gives the share of host search time speculation hides:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import tempfile
-import time
 
 import numpy as np
 from absl import app, flags
 
-import shutil
-
 import kvjax
+import results_io
+from context_reuse import ContextReuse
 from kvjax import prompts as prompts_lib
 from models.config import RopeScaling
-import results_io
 
 POLICIES = {
     "full": ("full", {}),
@@ -85,32 +81,15 @@ def make_prompts(model, context_len: int, batch: int) -> list[list[int]]:
   return prompts
 
 
-def prefill_key(name: str, options: dict) -> tuple:
-  """What a prefilled context depends on: the policy and its non-decode options."""
-  decode_only = set(kvjax.make_policy(name).decode_options)
-  return name, tuple(sorted((k, v) for k, v in options.items() if k not in decode_only))
-
-
-def run(model, key: str, context_len: int, batch: int, saved: dict, scratch: pathlib.Path) -> dict:
+def run(model, key: str, context_len: int, batch: int, contexts: ContextReuse) -> dict:
   """Prefills (or loads the context an earlier policy with the same prefill saved) and decodes."""
   name, options = POLICIES[key]
   options = dict(options)
   if name == "retrieval":
     options |= dict(index=FLAGS.index, topk=FLAGS.retrieval_topk)
-  shared = (prefill_key(name, options), context_len, batch)
-  t0 = time.perf_counter()
-  if shared in saved:
-    path, prefill_total = saved[shared]
-    decode_options = {k: v for k, v in options.items() if k in kvjax.make_policy(name).decode_options}
-    context = kvjax.load_context(path, model, policy_options=decode_options)
-  else:
-    context = kvjax.prefill(model, make_prompts(model, context_len, batch), max_new_tokens=FLAGS.steps,
-                            policy=name, policy_options=options, prefill_chunk=4096)
-    prefill_total = time.perf_counter() - t0
-    if name == "retrieval":  # the index build is the expensive part: keep it for the other row
-      path = scratch / f"context_{len(saved)}"
-      kvjax.save_context(context, path)
-      saved[shared] = (path, prefill_total)
+  build = lambda: kvjax.prefill(model, make_prompts(model, context_len, batch), max_new_tokens=FLAGS.steps,
+                                policy=name, policy_options=options, prefill_chunk=4096)
+  context, prefill_total = contexts.get(model, name, options, (context_len, batch), build)
   result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
   row = dict(policy=key, describe=result.policy, context=context_len, batch=batch,
              prefill_and_index_s=round(prefill_total, 2))
@@ -125,8 +104,7 @@ def main(argv):
     raise app.UsageError(f"unknown --policies {unknown}; known: {list(POLICIES)}")
   model = kvjax.load_model(FLAGS.model, dtype=FLAGS.dtype)
   rows = []
-  saved = {}
-  scratch = pathlib.Path(tempfile.mkdtemp(prefix="bench_decode_"))
+  contexts = ContextReuse()
   for context_len in map(int, FLAGS.context_lens):
     cfg = model.cfg
     if context_len + FLAGS.steps > cfg.max_context():
@@ -136,7 +114,7 @@ def main(argv):
     for batch in map(int, FLAGS.batches):
       for key in FLAGS.policies:
         try:
-          row = run(scaled, key, context_len, batch, saved, scratch)
+          row = run(scaled, key, context_len, batch, contexts)
         except Exception as e:  # e.g. out of memory: the other policies still get measured
           row = dict(policy=key, context=context_len, batch=batch, error=f"{type(e).__name__}: {e}"[:300])
         print(row, flush=True)
@@ -146,7 +124,7 @@ def main(argv):
           rows.append(summary)
         # Written after every row: a run cut short by a time limit keeps what it measured.
         results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes())
-  shutil.rmtree(scratch, ignore_errors=True)
+  contexts.close()
 
 
 def hidden_share(rows, context_len: int, batch: int) -> dict | None:

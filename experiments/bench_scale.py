@@ -15,7 +15,8 @@ draws, not of the model.
 
 Rows: decode_ms (median per-token step latency, first step dropped) and its parts,
 tokens_per_s (batch / decode_ms), prefill_and_index_s (prefill or synthetic fill, plus the
-policy's offload and index build), device state bytes, host bytes (store + indexes) and host
+policy's offload and index build; a retrieval row that only differs in decode options from an
+earlier one reloads that row's saved context and repeats its figure), device state bytes, host bytes (store + indexes) and host
 callbacks per step. Summary rows: each policy's decode_ms relative to its shortest context
 (growth), and its best tokens/s over the batches at each length.
 
@@ -103,23 +104,26 @@ def calibration_prompt(model) -> tuple[list[int], str]:
   return [int(t) for t in rng.integers(0, model.cfg.vocab_size, size=n)], "random token ids"
 
 
-def run(model, devices: int, key: str, length: int, batch: int, stats) -> dict:
+def run(model, devices: int, key: str, length: int, batch: int, stats, contexts) -> dict:
+  """Builds (or reloads, for retrieval rows that differ only in decode options: the index build
+  is shared) the context and decodes it."""
   import kvjax
   import results_io
   from kvjax import synthetic
 
   name, options = POLICIES[key]
   options = policy_options(name, options)
-  t0 = time.perf_counter()
-  if stats is None:
-    rng = np.random.default_rng(length + batch)
-    prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=length)] for _ in range(batch)]
-    context = kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name, policy_options=options,
-                            prefill_chunk=FLAGS.prefill_chunk, layer_major=FLAGS.layer_major)
-  else:
-    context = synthetic.synthetic_prefill(model, stats, [length] * batch, max_new_tokens=FLAGS.steps, policy=name,
-                                          policy_options=options, seed=length + batch)
-  prefill_total = time.perf_counter() - t0
+
+  def build():
+    if stats is None:
+      rng = np.random.default_rng(length + batch)
+      prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=length)] for _ in range(batch)]
+      return kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name, policy_options=options,
+                           prefill_chunk=FLAGS.prefill_chunk, layer_major=FLAGS.layer_major)
+    return synthetic.synthetic_prefill(model, stats, [length] * batch, max_new_tokens=FLAGS.steps, policy=name,
+                                       policy_options=options, seed=length + batch)
+
+  context, prefill_total = contexts.get(model, name, options, (devices, length, batch), build)
   result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
   steps = max(1, len(result.decode_seconds) + 1)
   callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
@@ -171,7 +175,9 @@ def main(argv):
   from kvjax import synthetic
   from models.config import RopeScaling
 
-  rows = []
+  from context_reuse import ContextReuse
+
+  rows, contexts = [], ContextReuse()
   for devices in counts:
     try:
       model = kvjax.load_model(FLAGS.model, dtype=FLAGS.dtype, devices=devices)
@@ -192,7 +198,7 @@ def main(argv):
       for batch in batches:
         for key in FLAGS.policies:
           try:
-            row = run(model, devices, key, length, batch, stats)
+            row = run(model, devices, key, length, batch, stats, contexts)
           except Exception as e:  # e.g. out of memory: the other cases still get measured
             row = dict(devices=devices, policy=key, context_kind=FLAGS.context, context=length, batch=batch,
                        error=f"{type(e).__name__}: {e}"[:300])
@@ -201,6 +207,7 @@ def main(argv):
           # Written after every row: a run cut short by a time limit keeps what it measured.
           results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=summaries(rows))
     del model
+  contexts.close()
 
 
 if __name__ == "__main__":

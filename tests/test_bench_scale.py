@@ -22,10 +22,10 @@ def run_bench(tmp_path, name, *flags):
 
 def test_synthetic_contexts_at_two_lengths_and_batches(tmp_path):
   doc = run_bench(tmp_path, "synthetic", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
-                  "--context_lens=2048,3072", "--batches=1,2", "--policies=full,freekv,retrieval_step_lag2",
+                  "--context_lens=2048,3072", "--batches=1,2", "--policies=full,freekv",
                   "--index=flat", "--sinks=32", "--window=64", "--budget=256")
   rows = doc["rows"]
-  assert len(rows) == 2 * 2 * 3 and not [r for r in rows if "error" in r], rows
+  assert len(rows) == 2 * 2 * 2 and not [r for r in rows if "error" in r], rows
   assert {r["context_kind"] for r in rows} == {"synthetic"} and "SYNTHETIC" in doc["notes"]
   for r in rows:
     assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["decode_ms"], rel=1e-3, abs=0.01)  # both are rounded
@@ -37,6 +37,29 @@ def test_synthetic_contexts_at_two_lengths_and_batches(tmp_path):
   assert all(r["resident_bytes"] > 0 for r in freekv)  # the host store holds the context
 
 
+def test_retrieval_rows_share_one_index_build(tmp_path):
+  doc = run_bench(tmp_path, "shared", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
+                  "--context_lens=2048", "--policies=retrieval,retrieval_spec", "--index=flat", "--sinks=32",
+                  "--window=64")
+  plain, spec = doc["rows"]
+  assert "error" not in plain and "error" not in spec, doc["rows"]
+  assert "speculative" in spec["describe"] and "speculative" not in plain["describe"]
+  assert spec["prefill_and_index_s"] == plain["prefill_and_index_s"]  # the loaded context's build, not a new one
+
+
 def test_real_contexts_on_two_simulated_devices(tmp_path):
   doc = run_bench(tmp_path, "real", "--devices=1,2", "--context_lens=256", "--policies=full")
   assert [r["devices"] for r in doc["rows"]] == [1, 2] and all("decode_ms" in r for r in doc["rows"])
+
+
+def test_bench_decode_shares_the_retrieval_prefill(tmp_path):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_decode.py"), "--model=random:tiny",
+         "--dtype=float32", "--steps=4", "--context_lens=1024", "--policies=full,retrieval,retrieval_spec",
+         "--index=flat", f"--out_dir={tmp_path}", "--name=decode"]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+  by_policy = {r["policy"]: r for r in rows}
+  assert set(by_policy) >= {"full", "retrieval", "retrieval_spec"} and not [r for r in rows if "error" in r]
+  assert by_policy["retrieval_spec"]["prefill_and_index_s"] == by_policy["retrieval"]["prefill_and_index_s"]

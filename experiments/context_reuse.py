@@ -1,0 +1,48 @@
+"""Prefilled contexts shared between benchmark rows that differ only in decode options.
+
+`retrieval` and `retrieval --speculative` (or two top-k / tau settings) need the same prefill and
+the same index build, which at 128K takes minutes: the first row saves its context
+(kvjax.save_context) to a scratch directory and later rows load a fresh copy of it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import tempfile
+import time
+from typing import Callable
+
+import kvjax
+
+
+class ContextReuse:
+  """Builds a context once per (policy, state-shaping options, extra key) and reloads it."""
+
+  def __init__(self, *, share: Callable[[str], bool] = lambda name: name == "retrieval"):
+    """share: which policy names are worth saving (their build is the expensive part)."""
+    self._share = share
+    self._saved: dict[tuple, tuple[pathlib.Path, float]] = {}
+    self._scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvjax_contexts_"))
+
+  def get(self, model, name: str, options: dict, key: tuple, build: Callable[[], "kvjax.PrefilledContext"]):
+    """(context, seconds its prefill and index build took when it was first made).
+
+    key: what else the context depends on (lengths, batch, seed...)."""
+    decode_only = set(kvjax.make_policy(name).decode_options)
+    shared = (name, tuple(sorted((k, v) for k, v in options.items() if k not in decode_only)), key)
+    if shared in self._saved:
+      path, seconds = self._saved[shared]
+      decode_options = {k: v for k, v in options.items() if k in decode_only}
+      return kvjax.load_context(path, model, policy_options=decode_options), seconds
+    t0 = time.perf_counter()
+    context = build()
+    seconds = time.perf_counter() - t0
+    if self._share(name):
+      path = self._scratch / f"context_{len(self._saved)}"
+      kvjax.save_context(context, path)
+      self._saved[shared] = (path, seconds)
+    return context, seconds
+
+  def close(self) -> None:
+    shutil.rmtree(self._scratch, ignore_errors=True)
