@@ -3,7 +3,7 @@
     python experiments/bench_scale.py --model=smollm2 --context=synthetic \\
         --context_lens=131072,262144,524288,1048576 --policies=full,freekv,retrieval_step_lag2 --index=flat
     python experiments/bench_scale.py --devices=1,2 --context_lens=131072 --policies=full,retrieval,freekv
-    python experiments/bench_scale.py --context=synthetic --context_lens=131072 --batches=1,4,8
+    python experiments/bench_scale.py --context=synthetic --context_lens=131072 --batches=1,4,8 [--ragged]
 
 For each device count, context length, batch and policy a context is built and `--steps` tokens
 are decoded. `--context=real` prefills random token ids (the model is loaded sharded over the
@@ -46,6 +46,8 @@ flags.DEFINE_list("devices", ["1"], "Device counts to shard the KV heads over (1
 flags.DEFINE_list("policies", ["full"], f"Policies, from {list(POLICIES)}.")
 flags.DEFINE_list("context_lens", ["32768"], "Context lengths (tokens per sequence).")
 flags.DEFINE_list("batches", ["1"], "Sequences decoded together.")
+flags.DEFINE_boolean("ragged", False, "Batches of different lengths: sequence b of a batch of B holds "
+                     "context_len * (1 - b / (2B)) tokens (the row's `context` is the longest).")
 flags.DEFINE_enum("context", "real", ["real", "synthetic"],
                   "Prefill random token ids, or write synthetic contexts from a calibration prefill's statistics.")
 flags.DEFINE_enum("calibration", "text", ["text", "random"],
@@ -104,6 +106,13 @@ def calibration_prompt(model) -> tuple[list[int], str]:
   return [int(t) for t in rng.integers(0, model.cfg.vocab_size, size=n)], "random token ids"
 
 
+def sequence_lengths(length: int, batch: int) -> list[int]:
+  """Tokens per sequence: all `length`, or with --ragged spread down to about half of it."""
+  if not FLAGS.ragged:
+    return [length] * batch
+  return [length - (length * b) // (2 * batch) for b in range(batch)]
+
+
 def run(model, devices: int, key: str, length: int, batch: int, stats, contexts) -> dict:
   """Builds (or reloads, for retrieval rows that differ only in decode options: the index build
   is shared) the context and decodes it."""
@@ -113,14 +122,15 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts)
 
   name, options = POLICIES[key]
   options = policy_options(name, options)
+  lengths = sequence_lengths(length, batch)
 
   def build():
     if stats is None:
       rng = np.random.default_rng(length + batch)
-      prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=length)] for _ in range(batch)]
+      prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=n)] for n in lengths]
       return kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps, policy=name, policy_options=options,
                            prefill_chunk=FLAGS.prefill_chunk, layer_major=FLAGS.layer_major)
-    return synthetic.synthetic_prefill(model, stats, [length] * batch, max_new_tokens=FLAGS.steps, policy=name,
+    return synthetic.synthetic_prefill(model, stats, lengths, max_new_tokens=FLAGS.steps, policy=name,
                                        policy_options=options, seed=length + batch)
 
   context, prefill_total = contexts.get(model, name, options, (devices, length, batch), build)
@@ -128,7 +138,8 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts)
   steps = max(1, len(result.decode_seconds) + 1)
   callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
   row = dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy, context_kind=FLAGS.context,
-             context=length, batch=batch, tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
+             context=length, batch=batch, lengths=",".join(map(str, lengths)) if FLAGS.ragged else None,
+             tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
              prefill_and_index_s=round(prefill_total, 2),
              callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
   return row | results_io.decode_fields(result)

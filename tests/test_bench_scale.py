@@ -52,6 +52,13 @@ def test_real_contexts_on_two_simulated_devices(tmp_path):
   assert [r["devices"] for r in doc["rows"]] == [1, 2] and all("decode_ms" in r for r in doc["rows"])
 
 
+def test_ragged_batches_through_a_host_backed_policy(tmp_path):
+  doc = run_bench(tmp_path, "ragged", "--context_lens=1024", "--batches=3", "--ragged", "--policies=freekv",
+                  "--sinks=32", "--window=64", "--budget=256")
+  (row,) = doc["rows"]
+  assert row["lengths"] == "1024,854,683" and row["callbacks_per_step"] == 1.0  # one per sparse layer, whole batch
+
+
 def test_bench_decode_shares_the_retrieval_prefill(tmp_path):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_decode.py"), "--model=random:tiny",
