@@ -60,6 +60,8 @@ flags.DEFINE_integer("retrieval_topk", 100, "Top-k of the retrieval policies.")
 flags.DEFINE_integer("sinks", None, "Device-resident first tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("window", None, "Device-resident recent tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("budget", None, "freekv's token budget (default: its own).")
+flags.DEFINE_integer("max_recall", None, "freekv's pages recalled per (seq, KV head) and phase per step, which sizes "
+                     "its callbacks' static page buffers (default: n_sel).")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
 flags.DEFINE_boolean("layer_major", False, "Real contexts: layer-major prefill (one layer's prompt KV on the device "
                      "at a time for retrieval and freekv; kvjax.prefill).")
@@ -84,8 +86,8 @@ def policy_options(name: str, options: dict) -> dict:
     options |= dict(index=FLAGS.index, topk=FLAGS.retrieval_topk)
   if name in ("retrieval", "freekv"):
     options |= {k: getattr(FLAGS, k) for k in ("sinks", "window") if getattr(FLAGS, k) is not None}
-  if name == "freekv" and FLAGS.budget is not None:
-    options["budget"] = FLAGS.budget
+  if name == "freekv":
+    options |= {k: getattr(FLAGS, k) for k in ("budget", "max_recall") if getattr(FLAGS, k) is not None}
   return options
 
 

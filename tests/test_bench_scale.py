@@ -54,8 +54,9 @@ def test_real_contexts_on_two_simulated_devices(tmp_path):
 
 def test_ragged_batches_through_a_host_backed_policy(tmp_path):
   doc = run_bench(tmp_path, "ragged", "--context_lens=1024", "--batches=3", "--ragged", "--policies=freekv",
-                  "--sinks=32", "--window=64", "--budget=256")
+                  "--sinks=32", "--window=64", "--budget=256", "--max_recall=2")
   (row,) = doc["rows"]
+  assert "max_recall 2" in row["describe"]
   assert row["lengths"] == "1024,854,683" and row["callbacks_per_step"] == 1.0  # one per sparse layer, whole batch
 
 
