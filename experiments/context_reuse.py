@@ -19,9 +19,7 @@ import kvjax
 class ContextReuse:
   """Builds a context once per (policy, state-shaping options, extra key) and reloads it."""
 
-  def __init__(self, *, share: Callable[[str], bool] = lambda name: name == "retrieval"):
-    """share: which policy names are worth saving (their build is the expensive part)."""
-    self._share = share
+  def __init__(self):
     self._saved: dict[tuple, tuple[pathlib.Path, float]] = {}
     self._scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvjax_contexts_"))
 
@@ -38,7 +36,7 @@ class ContextReuse:
     t0 = time.perf_counter()
     context = build()
     seconds = time.perf_counter() - t0
-    if self._share(name):
+    if name == "retrieval":  # its index build is the expensive part; other prefills are cheap to redo
       path = self._scratch / f"context_{len(self._saved)}"
       kvjax.save_context(context, path)
       self._saved[shared] = (path, seconds)

@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
+
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -44,8 +46,6 @@ def decode_fields(result) -> dict:
   """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step) and
   its two parts (the jitted step up to its token, the host work between steps), state bytes,
   and the policy's counters (seconds as ms per step, means over the steps)."""
-  import numpy as np
-
   steps = max(1, len(result.decode_seconds) + 1)
   row = dict(decode_ms=round(result.ms_per_token, 3), state_bytes=result.kv_bytes,
              peak_device_bytes=result.peak_device_bytes)

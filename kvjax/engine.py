@@ -56,10 +56,20 @@ def prefill_chunk(
 ):
   """Runs one prompt chunk through every layer, writing its keys and values into `state`."""
   hidden, state = policy.forward_hidden(params, tokens, positions, cfg=cfg, rope=rope, state=state)
-  offset = last_index - positions[:, 0]
-  in_chunk = (offset >= 0) & (offset < tokens.shape[1])
-  picked = hidden[jnp.arange(tokens.shape[0]), jnp.clip(offset, 0, tokens.shape[1] - 1)]
+  picked, in_chunk = _at_last_token(hidden, positions, last_index)
   return jnp.where(in_chunk[:, None], picked, last_hidden), state
+
+
+def _at_last_token(
+    hidden,  # [batch, chunk, hidden]
+    positions,  # [batch, chunk] int32
+    last_index,  # [batch] int32: position of each prompt's last token
+):
+  """Each sequence's row at its last prompt token ([batch, hidden]) and whether this chunk holds
+  it ([batch] bool; where not, the row is meaningless)."""
+  offset = last_index - positions[:, 0]
+  in_chunk = (offset >= 0) & (offset < hidden.shape[1])
+  return hidden[jnp.arange(hidden.shape[0]), jnp.clip(offset, 0, hidden.shape[1] - 1)], in_chunk
 
 
 prefill_chunk = _jit_by_layout(prefill_chunk, static_argnames=("cfg", "policy"),
@@ -101,9 +111,7 @@ def pick_last_hidden(
     cfg: ModelConfig,
 ):
   """The final-normed hidden state at each prompt's last token, where this chunk holds it."""
-  offset = last_index - positions[:, 0]
-  in_chunk = (offset >= 0) & (offset < hidden.shape[1])
-  picked = hidden[jnp.arange(hidden.shape[0]), jnp.clip(offset, 0, hidden.shape[1] - 1)]
+  picked, in_chunk = _at_last_token(hidden, positions, last_index)
   return jnp.where(in_chunk[:, None], final_norm(params, cfg, picked), last_hidden)
 
 

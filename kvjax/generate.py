@@ -212,8 +212,7 @@ def prefill(
   staged = layer_major and attention.stages_prefill
 
   start = time.perf_counter()
-  state = (attention.init_state(cfg, batch, capacity, dtype, staged=True) if staged else
-           attention.init_state(cfg, batch, capacity, dtype))
+  state = attention.prefill_state(cfg, batch, capacity, dtype, staged=staged)
   release = attention.release_fn(state)  # taken before the state is donated
   try:
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))

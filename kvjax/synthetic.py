@@ -358,11 +358,10 @@ def synthetic_prefill(
 
   start_time = time.perf_counter()
   # Host-backed policies stage the fill: one sparse layer on the device at a time, offloaded
-  # before the next is drawn (a dense prefill cache of every layer is 128 GiB for 8B shapes
-  # at 4 x 128K); `full` keeps every layer on the device anyway.
+  # before the next is drawn (a dense prefill cache of every layer is 64 GiB for 8B shapes at
+  # 4 x 128K); `full` keeps every layer on the device anyway.
   staged = attention.stages_prefill
-  state = (attention.init_state(cfg, batch, capacity, jnp.dtype(cfg.dtype), staged=True) if staged else
-           attention.init_state(cfg, batch, capacity, jnp.dtype(cfg.dtype)))
+  state = attention.prefill_state(cfg, batch, capacity, jnp.dtype(cfg.dtype), staged=True)
   release = attention.release_fn(state)  # taken before the state is donated
   try:
     state = attention.begin_prefill(cfg, state, np.asarray(lengths, np.int32))

@@ -58,6 +58,13 @@ class AttentionPolicy(abc.ABC):
   def describe(self) -> str:
     return self.name
 
+  def prefill_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype, *, staged: bool) -> Any:
+    """init_state for a prefill, staged (one sparse layer's prompt on the device at a time,
+    see HostBackedMixin) where asked and the policy can; plain otherwise."""
+    if staged and self.stages_prefill:
+      return self.init_state(cfg, batch, capacity, dtype, staged=True)
+    return self.init_state(cfg, batch, capacity, dtype)
+
   def write_prompt(
       self,
       cfg: ModelConfig,
