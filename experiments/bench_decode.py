@@ -40,6 +40,8 @@ POLICIES = {
     "retrieval_step": ("retrieval", {"bridge": "per_step"}),
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
     "freekv": ("freekv", {}),
+    "freekv_step": ("freekv", {"bridge": "per_step"}),
+    "freekv_step_pageable": ("freekv", {"bridge": "per_step", "transfer": "pageable"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")

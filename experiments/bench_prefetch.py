@@ -62,7 +62,7 @@ def build_runtime(rng) -> PrefetchRuntime:
     context.store.reserve(0, layer, n + FLAGS.steps + 8)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             background_threads=available_cores())  # as retrieval's per_step runtime
-  runtime.reuse_buffers = FLAGS.reuse_buffers
+  runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
 
 

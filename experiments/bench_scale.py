@@ -39,6 +39,8 @@ POLICIES = {
     "retrieval_spec": ("retrieval", {"speculative": True}),
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
     "freekv": ("freekv", {}),
+    "freekv_step": ("freekv", {"bridge": "per_step"}),
+    "freekv_step_pageable": ("freekv", {"bridge": "per_step", "transfer": "pageable"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name (its KV heads must be divisible by --devices).")

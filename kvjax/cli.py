@@ -25,6 +25,7 @@ POLICY_FLAGS = {
     "bridge": "bridge",
     "roar_heads": "roar_heads",
     "lag": "lag",
+    "transfer": "transfer",
 }
 
 
@@ -52,10 +53,12 @@ def define_flags() -> None:
   flags.DEFINE_float("tau", None, "Correction threshold on the group-mean query cosine similarity.")
   flags.DEFINE_list("dense_layers", None, "Layers kept dense under a sparse policy.")
   flags.DEFINE_enum("bridge", None, ["per_layer", "per_step"],
-                    "Retrieval host bridge: a callback per layer inside the step, or one host exchange "
-                    "between steps (previous step's selection, no host inside the step).")
+                    "Host bridge of retrieval and freekv: a callback per layer inside the step, or one host "
+                    "exchange between steps (previous step's selection, no host inside the step).")
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
                        "step t - lag (1: host works between steps; 2: while the device computes).")
+  flags.DEFINE_enum("transfer", None, ["pinned", "pageable"],
+                    "per_step bridge: copy each step's host update to the device from page-locked or pageable memory.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

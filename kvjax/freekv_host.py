@@ -6,9 +6,12 @@ sinks + i, and store page j covers store indices j*P .. j*P + P - 1. It is regis
 kvjax.host_runtime under an int id carried in the policy state, as the retrieval runtime is.
 
 The jitted step decides everything (selection, which pages are missing, which slots they go
-to); the callback only (1) appends the token leaving the device window and (2) copies the
-requested pages out of the store. Errors follow kvjax.host_runtime: logged, a nonzero status
-returned with zero pages, raised by `raise_errors()` after the step.
+to); the host only (1) appends the token leaving the device window and (2) copies the
+requested pages out of the store. With bridge="per_layer" a callback per sparse layer does
+both inside the step (`recall_callback`); errors follow kvjax.host_runtime: logged, a nonzero
+status returned with zero pages, raised by `raise_errors()` after the step. With
+bridge="per_step" `exchange` does both for every layer between steps, outside any jitted
+program (an error raises there), and packs the pages into one kvjax.row_update.RowUpdate.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import traceback
 import numpy as np
 
 import host_index
-from kvjax import host_runtime
+from kvjax import host_runtime, row_update
 
 
 @dataclasses.dataclass
@@ -28,34 +31,47 @@ class FreeKVStats:
   """Per-run counters, summed over layers, sequences and steps.
 
   Attributes:
-    callbacks: callbacks run (one per sparse layer per decode step).
+    callbacks: callbacks run (per_layer: one per sparse layer per decode step).
+    exchanges: per_step host exchanges run (one per decode step).
     decided_heads: (layer, seq, kv head, step) where the correction test ran (speculative
       mode, every step after a layer's first).
     corrected_heads: of those, heads corrected synchronously.
     reused_pages: pages of the previous step's selection, over decided heads.
     reused_hits: of those, pages still in the current query's selection.
+    missed_pages: pages of a head's selection it did not attend (more missing than max_recall;
+      per_step: a corrected head's current selection not resident).
     sync_pages: pages recalled before attention (corrections; every recall without
       speculation): on the critical path.
     spec_pages: pages recalled for the next step's speculative selection.
     page_bytes: bytes of one recalled page, K and V together, in the storage dtype.
     callback_bytes: bytes the callbacks' static outputs carried (PCIe traffic whatever the count).
+    transfer_bytes: per_step: bytes of the packed page updates copied to the device.
     inserted_tokens: tokens appended to the store during decode.
-    insert_seconds, fetch_seconds, callback_seconds: host wall time inside callbacks.
+    insert_seconds, fetch_seconds: host wall time appending and copying pages.
+    callback_seconds: wall time inside callbacks (per_layer).
+    exchange_seconds: per_step: wall time of the exchanges between steps (on the critical
+      path: reading the step's outputs, insert, fetch, transfer and the scatter's dispatch).
+    transfer_seconds: per_step: of that, copying the updates to the device.
   """
 
   callbacks: int = 0
+  exchanges: int = 0
   decided_heads: int = 0
   corrected_heads: int = 0
   reused_pages: int = 0
   reused_hits: int = 0
+  missed_pages: int = 0
   sync_pages: int = 0
   spec_pages: int = 0
   page_bytes: int = 0
   callback_bytes: int = 0
+  transfer_bytes: int = 0
   inserted_tokens: int = 0
   insert_seconds: float = 0.0
   fetch_seconds: float = 0.0
   callback_seconds: float = 0.0
+  exchange_seconds: float = 0.0
+  transfer_seconds: float = 0.0
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -80,6 +96,7 @@ class FreeKVRuntime:
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
     self.stats = FreeKVStats()
+    self.buffers = row_update.StepBuffers()  # the caller sets buffers.reuse where the device cannot alias them
     self.errors: list[str] = []
     self.id = host_runtime.register(self)
 
@@ -92,6 +109,23 @@ class FreeKVRuntime:
       self.errors.clear()
       raise RuntimeError(f"freekv host callback failed: {first}")
 
+  def _insert(self, layer: int, evicted_k, evicted_v, evicted_pos) -> None:
+    """Appends each sequence's evicted token ([B, Hkv, D], position [B], -1 = none) of `layer`."""
+    for b in np.flatnonzero(evicted_pos >= 0):
+      start = int(evicted_pos[b]) - self.sinks
+      # append skips what is stored already: a repeated call is harmless.
+      self.stats.inserted_tokens += self.context.append(int(b), layer, start, evicted_k[b][:, None],
+                                                        evicted_v[b][:, None])
+
+  def _count(self, counters) -> None:
+    """Adds [..., 5] per-head counters (decided, corrected, reused, hits, missed)."""
+    decided = counters[..., 0] > 0
+    for i, name in ((1, "corrected_heads"), (2, "reused_pages"), (3, "reused_hits"), (4, "missed_pages")):
+      setattr(self.stats, name, getattr(self.stats, name) + int((counters[..., i] * decided).sum()))
+    self.stats.decided_heads += int(decided.sum())
+    store = self.context.store
+    self.stats.page_bytes = 2 * self.page_size * store.head_dim * store.itemsize
+
   def decode_layer(self, layer: int, evicted_k, evicted_v, evicted_pos, fetch_ids, counters):
     """Appends each sequence's evicted token, then copies the requested pages.
 
@@ -100,17 +134,13 @@ class FreeKVRuntime:
       evicted_k, evicted_v: [B, Hkv, D] the token leaving the device window.
       evicted_pos: [B] int32 its absolute position, -1 where no token leaves.
       fetch_ids: [B, Hkv, R] int32 store page ids to copy, -1 for none.
-      counters: [B, Hkv, 4] int32 per head: (decided, corrected, reused, hits).
+      counters: [B, Hkv, 5] int32 per head: (decided, corrected, reused, hits, missed).
 
     Returns:
       pages_k, pages_v: [B, Hkv, R, page_size, D] in the storage dtype (zeros where id < 0).
     """
     t0 = time.perf_counter()
-    for b in np.flatnonzero(evicted_pos >= 0):
-      start = int(evicted_pos[b]) - self.sinks
-      # append skips what is stored already: a repeated call is harmless.
-      self.stats.inserted_tokens += self.context.append(int(b), layer, start, evicted_k[b][:, None],
-                                                        evicted_v[b][:, None])
+    self._insert(layer, evicted_k, evicted_v, evicted_pos)
     t1 = time.perf_counter()
     B, H, R = fetch_ids.shape
     store = self.context.store
@@ -128,16 +158,55 @@ class FreeKVRuntime:
       self.stats.sync_pages += int(sync.sum())
       self.stats.spec_pages += int((~sync).sum())
     t2 = time.perf_counter()
-    decided = counters[..., 0] > 0
-    self.stats.decided_heads += int(decided.sum())
-    self.stats.corrected_heads += int((counters[..., 1] * decided).sum())
-    self.stats.reused_pages += int((counters[..., 2] * decided).sum())
-    self.stats.reused_hits += int((counters[..., 3] * decided).sum())
-    self.stats.page_bytes = 2 * self.page_size * store.head_dim * store.itemsize
+    self._count(counters)
     self.stats.callback_bytes += pages_k.nbytes + pages_v.nbytes
     self.stats.insert_seconds += t1 - t0
     self.stats.fetch_seconds += t2 - t1
     return pages_k, pages_v
+
+  def exchange(
+      self,
+      evicted_k,  # [L, B, Hkv, D]: each layer's token that left the window in the step
+      evicted_v,  # [L, B, Hkv, D]
+      evicted_pos,  # [L, B] int: its position, -1 = none (and every dense layer)
+      fetch,  # [L, B, Hkv, R] int: store pages the next step lacks, -1 = none
+      slots,  # [L, B, Hkv, R] int: the pool slot of each
+      counters,  # [L, B, Hkv, 5] int: the step's per-head counters (see decode_layer)
+      *,
+      pool_slots: int,
+      count: bool = True,
+  ) -> row_update.RowUpdate:
+    """per_step, between steps: appends every layer's evicted token, then gathers the pages
+    asked for into one RowUpdate of the flattened [L, B, Hkv, pool_slots] pool (a row: one
+    page, [page_size * D]). count=False (the priming exchange after prefill) leaves the
+    counters alone."""
+    t0 = time.perf_counter()
+    for layer in np.flatnonzero((evicted_pos >= 0).any(axis=1)):
+      self._insert(int(layer), evicted_k[layer], evicted_v[layer], evicted_pos[layer])
+    t1 = time.perf_counter()
+    L, B, H, _ = fetch.shape
+    store = self.context.store
+    P, D = self.page_size, store.head_dim
+    want = fetch >= 0
+    layer_of, seq_of, head_of, _ = np.nonzero(want)  # C order: grouped by (layer, seq)
+    pages = fetch[want]
+    update = row_update.new_update(self.buffers, pages.size, fetch.size, P * D, store.buffers(0, 0)[0].dtype)
+    bounds = np.searchsorted(layer_of * B + seq_of, np.arange(L * B + 1))
+    for group in np.flatnonzero(np.diff(bounds)):
+      layer, b = divmod(int(group), B)
+      lo, hi = bounds[group], bounds[group + 1]
+      self.context.fetch_pages(b, layer, head_of[lo:hi], pages[lo:hi], out_k=update.k[lo:hi].reshape(-1, P, D),
+                               out_v=update.v[lo:hi].reshape(-1, P, D))
+    update.dest[:pages.size] = ((layer_of * B + seq_of) * H + head_of) * pool_slots + slots[want]
+    update.ids[:pages.size] = pages
+    update.pad(L * B * H * pool_slots)
+    if count:  # the priming exchange belongs to the prefill
+      self.stats.spec_pages += int(pages.size)
+      self.stats.insert_seconds += t1 - t0
+      self.stats.fetch_seconds += time.perf_counter() - t1
+      self._count(counters)
+      self.stats.exchanges += 1
+    return update
 
 
 def recall_callback(runtime_id, layer, evicted_k, evicted_v, evicted_pos, fetch_ids, counters, *, page_size,

@@ -40,54 +40,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import time
 
 import numpy as np
 
 import host_index
 from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
-
-
-@dataclasses.dataclass(frozen=True)
-class RowUpdate:
-  """Host -> device change of the per_step row buffers: slot dest[i] of the flattened
-  [L, B, Hq, slots] buffers takes store id ids[i] (-1 = emptied) and rows k[i], v[i]. Padded to
-  a few static sizes (entries past `count` have distinct out-of-range dest, so the scatter
-  drops them, and unspecified rows). All of it lies in one byte buffer, so one host -> device
-  copy carries it (on the H200 machine four separate copies took 4.6 ms per step for 3.5 MB of
-  SmolLM2 rows, one packed copy 2.6 ms for 3.7 MB):
-  [dest int32 x size | ids int32 x size | k x size x D | v x size x D] (rows in the store dtype)."""
-
-  packed: np.ndarray  # [size * (8 + 2 * D * itemsize)] uint8
-  size: int  # entries, padding included
-  count: int  # real entries
-  head_dim: int
-  dtype: np.dtype  # of the rows (the store's; bfloat16 as uint16 bits)
-
-  @staticmethod
-  def nbytes(size: int, head_dim: int, dtype) -> int:
-    return size * (8 + 2 * head_dim * np.dtype(dtype).itemsize)
-
-  def _part(self, index: int) -> np.ndarray:
-    n, row = self.size, self.head_dim * np.dtype(self.dtype).itemsize
-    starts = (0, 4 * n, 8 * n, 8 * n + n * row, 8 * n + 2 * n * row)
-    part = self.packed[starts[index]:starts[index + 1]]
-    return part.view(np.int32) if index < 2 else part.view(self.dtype).reshape(n, self.head_dim)
-
-  dest = property(lambda self: self._part(0))  # [size] int32 flat slot index into [L * B * Hq * slots]
-  ids = property(lambda self: self._part(1))  # [size] int32 store id now in that slot, -1 = empty
-  k = property(lambda self: self._part(2))  # [size, D]
-  v = property(lambda self: self._part(3))  # [size, D]
-
-
-def padded_size(n: int) -> int:
-  """A static size >= n from a short geometric ladder (ratio 2^(1/4), multiples of 64), so a
-  handful of compiled scatter shapes serve every step and padding stays under ~26%."""
-  if n <= 64:
-    return 64
-  size = 2.0 ** (np.ceil(4 * np.log2(n)) / 4)
-  return int(-(-int(np.ceil(size)) // 64) * 64)
+from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
 class PrefetchRuntime(HostRuntime):
@@ -103,8 +62,7 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     self.tail_slots = int(tail_slots)
     self.search_threads = available_cores()  # nothing else runs on the host during the search
-    self.reuse_buffers = False  # see _step_buffers
-    self._buffers = None
+    self.buffers = StepBuffers()  # the caller sets buffers.reuse where the device cannot alias them
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
@@ -217,12 +175,9 @@ class PrefetchRuntime(HostRuntime):
                                         threads=self.search_threads)
     self.slot_ids = self.slot_ids.copy()  # earlier selections (kept for hit rates) stay as they were
     self.slot_ids.reshape(-1)[dest] = ids
-    n, size = dest.size, padded_size(dest.size)
     store = self.context.store
     dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
-    update = RowUpdate(self._step_buffer(RowUpdate.nbytes(size, D, dtype),
-                                         RowUpdate.nbytes(padded_size(L * B * Hq * S), D, dtype)),
-                       size=size, count=n, head_dim=D, dtype=dtype)
+    update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
     out_k, out_v = update.k, update.v
     per_group = Hq * S  # slots of one (layer, seq), contiguous in dest order
     bounds = np.searchsorted(dest, np.arange(L * B + 1) * per_group)
@@ -232,26 +187,11 @@ class PrefetchRuntime(HostRuntime):
       heads = (dest[lo:hi] % per_group) // S // self.context.group
       store.gather_rows(b, layer, heads, ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
                         threads=self.search_threads)  # id -1: a zero row
-    update.dest[:n] = dest
-    update.dest[n:] = L * B * Hq * S + np.arange(size - n)  # distinct and out of range: dropped
-    update.ids[:n] = ids
-    update.ids[n:] = -1
-    self.stats.shipped_rows += n
+    update.dest[:dest.size] = dest
+    update.ids[:dest.size] = ids
+    update.pad(L * B * Hq * S)
+    self.stats.shipped_rows += dest.size
     return update
-
-  def _step_buffer(self, nbytes: int, most: int) -> np.ndarray:
-    """The [nbytes] uint8 buffer of a step's update (nbytes <= most, the largest update).
-
-    With `reuse_buffers` one [most] buffer serves every step: the caller's copy to the device
-    of one step's update must be complete before the next `prefetch_step` (lag 1: the step
-    that reads it has ended; lag 2: the policy's `to_device` blocks until the copy is ready).
-    Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box); the caller
-    must not reuse them where the device may alias host memory (JAX on the CPU)."""
-    if not self.reuse_buffers:
-      return np.empty(nbytes, np.uint8)
-    if self._buffers is None or self._buffers.size != most:
-      self._buffers = np.empty(most, np.uint8)
-    return self._buffers[:nbytes]
 
   def _tail_ids(self, layer: int, batch: int):
     """Store ids [B, 1, tail_slots] (-1 padded) of each sequence's stored, unindexed tokens."""

@@ -1,5 +1,5 @@
-"""`freekv`: exact when the budget covers the context, speculation with tau = 1 equals the
-synchronous path, the device's group-consistent selection matches a NumPy reference, only
+"""`freekv`: exact when the budget covers the context (both bridges), speculation with tau = 1
+equals the synchronous path, the per_step bridge recalls each step's selection into the pool, the device's group-consistent selection matches a NumPy reference, only
 missing pages are recalled, bad options are refused, host errors surface after the step."""
 
 import functools
@@ -11,6 +11,7 @@ import pytest
 import kvjax
 from kvjax import freekv_host, host_runtime
 from kvjax.policies import FreeKVAttention, make_policy
+from kvjax.policies import freekv as freekv_policy
 from kvjax.policies.freekv import page_scores, plan_recall, top_pages
 from test_generate import random_prompt, tiny_model
 
@@ -170,6 +171,9 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(page_size=0), "page_size=0"),
     (dict(dense_layers=(-1,)), "dense_layers"),
     (dict(implementation="cuda"), "implementation="),
+    (dict(bridge="per_token"), "bridge='per_token'"),
+    (dict(bridge="per_step", speculative=False), "needs speculative=True"),
+    (dict(transfer="dma"), "transfer='dma'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -193,3 +197,66 @@ def test_host_error_is_raised_after_the_step(monkeypatch):
   with pytest.raises(RuntimeError, match="disk on fire"):
     run(budget=4 + 8 + 4 * 3, speculative=False, dense_layers=())  # compiled by the test above
   assert set(host_runtime._RUNTIMES) == before
+
+
+@pytest.fixture
+def exchange_log(monkeypatch):
+  """per_step: records (pool ids and selection after the exchange, fetch [L, B, Hkv, R], whether
+  every resident pool page equals the host store's page) of every exchange (copies: the state's
+  buffers are donated to the next step)."""
+  log = []
+  original = freekv_policy.FreeKVAttention._exchange
+
+  def spy(self, state, **kwargs):
+    fetch = np.asarray(state.step_fetch)
+    after = original(self, state, **kwargs)
+    store = self.runtime(after).context  # alive only during the run
+    pool_ids, pool_k, pool_v = (np.asarray(a) for a in (after.pool_ids, after.pool_k, after.pool_v))
+    same = True
+    for l, b in np.ndindex(*pool_ids.shape[:2]):
+      heads, slots = np.nonzero(pool_ids[l, b] >= 0)
+      if heads.size:
+        k, v = store.fetch_pages(b, l, heads, pool_ids[l, b, heads, slots])
+        same &= np.array_equal(k, pool_k[l, b, heads, slots]) and np.array_equal(v, pool_v[l, b, heads, slots])
+    log.append(((pool_ids, np.asarray(after.selection)), fetch, same))
+    return after
+
+  monkeypatch.setattr(freekv_policy.FreeKVAttention, "_exchange", spy)
+  return log
+
+
+@pytest.mark.parametrize("transfer", ["pinned", "pageable"])
+def test_per_step_equals_full_when_budget_covers_the_context(transfer, exchange_log):
+  full = full_run()
+  sparse = run(budget=COVERING, bridge="per_step", transfer=transfer, dense_layers=(0,))
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.tokens == full.tokens
+  decode_steps = STEPS - 1
+  assert len(exchange_log) == decode_steps + 1  # one priming exchange after the prefill, one per step
+  stats = sparse.policy_stats
+  assert stats["host_callbacks"] == 0 and stats["decode_steps"] == decode_steps
+  assert stats["missed_pages_per_step"] == 0 and stats["hit_rate"] == 1.0
+  # Each page is recalled once (the prompt's by the priming exchange, later ones as they complete).
+  S, W, P = SMALL["sinks"], SMALL["window"], SMALL["page_size"]
+  for b, (n, _) in enumerate(PROMPTS):
+    needed = (n + decode_steps - 1 - W - S + 1) // P  # complete after the last step's eviction
+    ids = np.concatenate([f[1, b].ravel() for _, f, _ in exchange_log])
+    assert sorted(ids[ids >= 0].tolist()) == sorted(list(range(needed)) * 2), b  # 2 KV heads
+  assert stats["transfer_bytes_per_step"] > 0
+
+
+def test_per_step_recalls_every_selection_into_the_pool_with_the_stored_pages(exchange_log):
+  budget = 4 + 8 + 4 * 3  # 3 pages of 4 out of up to 17: the selection moves
+  sparse = run(budget=budget, bridge="per_step", dense_layers=())
+  moved = 0
+  for (pool_ids, selection), fetch, same in exchange_log:
+    assert same  # the pool holds the stored pages its ids name
+    moved += int((fetch >= 0).sum())
+    for l, b, h in np.ndindex(*pool_ids.shape[:3]):
+      chosen = selection[l, b, h][selection[l, b, h] >= 0]
+      assert set(chosen.tolist()) <= set(pool_ids[l, b, h].tolist()), (l, b, h)  # the next step's pages are resident
+  assert moved > len(exchange_log)  # pages really move between steps
+  stats = sparse.policy_stats
+  assert stats["missed_pages_per_step"] > 0  # the one-step lag has a cost here, and it is counted
+  assert stats["recalled_pages_per_step"] == pytest.approx(sum(int((f >= 0).sum()) for _, f, _ in exchange_log[1:])
+                                                           / (STEPS - 1))

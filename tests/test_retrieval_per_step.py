@@ -15,7 +15,8 @@ import kvjax
 from kvjax import host_runtime
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime, padded_size
+from kvjax.prefetch_runtime import PrefetchRuntime
+from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
 
@@ -77,7 +78,7 @@ def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat"):
 
 class DeviceMirror:
   """What the device's row buffers hold after the updates applied so far (a NumPy twin of
-  retrieval._scatter_rows)."""
+  kvjax.row_update.scatter_rows)."""
 
   def __init__(self, L, B, Hq, slots, D, dtype=np.float32):
     self.k, self.v = np.zeros((2, L, B, Hq, slots, D), dtype)
@@ -186,7 +187,7 @@ def test_updates_ship_only_entering_rows_and_keep_the_buffers_exact():
   eq = np.zeros((2, 1, 2, 8), np.float32)
   for reuse in (False, True):  # reused host buffers (as on a GPU) must not change the result
     runtime = _runtime(keys, values, topk=3)
-    runtime.reuse_buffers = reuse
+    runtime.buffers.reuse = reuse
     mirror = DeviceMirror(2, 1, 2, 3 + 4, 8)
     try:
       queries = rng.standard_normal((2, 1, 2, 8), dtype=np.float32)

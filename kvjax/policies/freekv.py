@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import flax.struct
 import jax
@@ -70,11 +71,13 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import freekv_host
+from kvjax import freekv_host, row_update
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense
 from models.config import ModelConfig
+
+BRIDGES = ("per_layer", "per_step")
 
 
 @flax.struct.dataclass
@@ -93,6 +96,14 @@ class FreeKVState:
   prompt_lengths: jax.Array  # [B] int32
   runtime_id: jax.Array  # [] int32: key of the FreeKVRuntime in kvjax.host_runtime
   status: jax.Array  # [] int32: worst host callback status so far (0 = ok)
+  # bridge="per_step": what a step hands to the host between steps (every layer's row is
+  # written by its sparse attention; dense layers keep "nothing").
+  step_evicted_k: jax.Array  # [L, B, Hkv, D]: the token leaving each layer's window this step
+  step_evicted_v: jax.Array  # [L, B, Hkv, D]
+  step_evicted_pos: jax.Array  # [L, B] int32: its position, -1 where none left
+  step_fetch: jax.Array  # [L, B, Hkv, R] int32: store pages the next step needs and lacks, -1 = none
+  step_slots: jax.Array  # [L, B, Hkv, R] int32: the pool slot each goes to
+  step_counters: jax.Array  # [L, B, Hkv, 5] int32: (decided, corrected, reused, hits, missed)
   decoding: bool = flax.struct.field(pytree_node=False, default=False)  # set by finish_prefill
   # Prefill only: `dense` holds the dense layers and one staging slot, not every layer
   # (DenseLayersMixin.prefill_slots); cleared by finish_prefill.
@@ -224,6 +235,44 @@ def _prompt_summaries(
   return jnp.where(some, lo, 0).astype(k.dtype), jnp.where(some, hi, 0).astype(k.dtype)
 
 
+def _keep_last_query(
+    state: FreeKVState,
+    layer,  # [] int32
+    q,  # [B, T, Hq, D]: a prompt chunk's queries
+    positions,  # [B, T] int32
+) -> FreeKVState:
+  """Keeps the prompt's last query in prev_q (the per_step bridge selects the first decode
+  step's pages with it; the first step's correction test compares against it)."""
+  is_last = positions == state.prompt_lengths[:, None] - 1  # [B, T]
+  last_q = jnp.sum(jnp.where(is_last[..., None, None], q.astype(jnp.float32), 0.0), axis=1)  # exact: one term
+  keep = jnp.any(is_last, axis=1)[:, None, None]
+  return state.replace(prev_q=state.prev_q.at[layer].set(jnp.where(keep, last_q, state.prev_q[layer])))
+
+
+@functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale"))
+def _first_selection(
+    prev_q,  # [L, B, Hq, D] float32: the prompt's last query per layer
+    kmax,  # [L, B, Hkv, N, D]
+    kmin,  # [L, B, Hkv, N, D]
+    pool_ids,  # [L, B, Hkv, n] int32
+    num_candidates,  # [B] int32: pages complete before the first decode step's eviction
+    *,
+    n_sel: int,
+    max_recall: int,
+    scale: float,
+):
+  """Every layer's first selection and its recall plan: (selection [L, B, Hkv, n_sel],
+  fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall])."""
+
+  def one_layer(q, hi, lo, ids):
+    pooled = page_scores(q, hi, lo, num_candidates, scale=scale)
+    selection = top_pages(pooled, n_sel)
+    fetch, slots, _ = plan_recall(ids, selection, pooled, max_recall)
+    return selection, fetch, slots
+
+  return jax.vmap(one_layer)(prev_q, kmax, kmin, pool_ids)
+
+
 # -- the policy ------------------------------------------------------------------------------
 
 
@@ -241,6 +290,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       similarity of consecutive queries is below tau.
     tau: correction threshold in [0, 1]; 1 corrects every head.
     max_recall: most pages recalled per (seq, KV head) per phase and step (None: n_sel).
+    bridge: "per_layer" (one host callback per sparse layer inside the step: synchronous
+      correction) or "per_step" (one host exchange between steps, no callback: see "The
+      per_step bridge" in the module docstring; needs speculative=True).
+    transfer: per_step only: how the recalled pages reach the device, "pinned" or "pageable"
+      (kvjax.row_update.to_device).
     dense_layers: layers attended densely on the device (sliding-window layers always are).
     implementation: device kernels, "auto" | "pallas" | "xla".
   """
@@ -254,9 +308,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   max_recall: int | None = None
   dense_layers: tuple[int, ...] = (0,)
   implementation: str = "auto"
+  bridge: str = "per_layer"
+  transfer: str = "pinned"
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "implementation")
+  decode_options = ("speculative", "tau", "implementation", "transfer")
   takes_written_prompt = True
+  reads_prompt_queries = True  # the prompt's last query (prev_q)
 
   def __post_init__(self):
     for field, low in (("budget", 1), ("page_size", 1), ("sinks", 0), ("window", 1)):
@@ -286,6 +343,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     object.__setattr__(self, "tau", float(self.tau))
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r}; expected auto, pallas or xla")
+    if self.bridge not in BRIDGES:
+      raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
+    if self.bridge == "per_step" and not self.speculative:
+      raise ValueError("bridge='per_step' needs speculative=True: every step attends pages recalled before it")
+    if self.transfer not in row_update.TRANSFERS:
+      raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
 
   @property
   def n_sel(self) -> int:
@@ -298,6 +361,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
+    if self.bridge == "per_step":
+      spec += ", one host exchange per step (pages recalled between steps)"
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     return (f"freekv(budget={self.budget} tokens = sinks {self.sinks} + window {self.window} + {self.n_sel} "
             f"pages of {self.page_size}, {spec}, max_recall {self.recall}{dense})")
@@ -331,7 +396,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         dense=DenseKVCache(k=jnp.zeros((cached, batch, H, capacity, D), dtype),
                            v=jnp.zeros((cached, batch, H, capacity, D), dtype)),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
-        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0), staged=staged)
+        runtime_id=jnp.int32(runtime.id), status=jnp.int32(0),
+        step_evicted_k=jnp.zeros((L, batch, H, D), dtype), step_evicted_v=jnp.zeros((L, batch, H, D), dtype),
+        step_evicted_pos=jnp.full((L, batch), -1, jnp.int32),
+        step_fetch=jnp.full((L, batch, H, self.recall), -1, jnp.int32),
+        step_slots=jnp.full((L, batch, H, self.recall), n, jnp.int32),
+        step_counters=jnp.zeros((L, batch, H, 5), jnp.int32), staged=staged)
 
   def begin_prefill(self, cfg, state: FreeKVState, prompt_lengths) -> FreeKVState:
     self.reserve_decode_room(cfg, self.runtime(state).context, state.dense.capacity)
@@ -339,8 +409,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
-    return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
-                                     sparse_layers=sparse)
+    runtime = freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size,
+                                        sync_recall=self.recall, sparse_layers=sparse)
+    runtime.buffers.reuse = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
+    return runtime
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""
@@ -348,7 +420,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if runtime is None:
       return {}
     s = runtime.stats
-    steps = s.callbacks // max(1, runtime.sparse_layers)
+    steps = s.exchanges if self.bridge == "per_step" else s.callbacks // max(1, runtime.sparse_layers)
     per_step = lambda x: x / steps if steps else float("nan")
     ratio = lambda a, b: a / b if b else float("nan")
     recalled = s.sync_pages + s.spec_pages
@@ -358,8 +430,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         hit_rate=ratio(s.reused_hits, s.reused_pages),
         recalled_pages_per_step=per_step(recalled),
         sync_recalled_pages_per_step=per_step(s.sync_pages),
+        missed_pages_per_step=per_step(s.missed_pages),
         recalled_bytes_per_step=per_step(recalled * s.page_bytes),
         callback_bytes_per_step=per_step(s.callback_bytes),
+        transfer_bytes_per_step=per_step(s.transfer_bytes),
         resident_bytes=runtime.context.nbytes,  # host store
         **{f"host_{k}": v for k, v in s.as_dict().items()})
 
@@ -393,8 +467,45 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         if on_progress is not None:
           on_progress(layer + 1, cfg.num_layers)
     keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(self.dense_layer_ids(cfg))], jnp.int32)
-    return state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]), decoding=True,
-                         staged=False)
+    state = state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]), decoding=True,
+                          staged=False)
+    if self.bridge == "per_step":
+      state = self._prime(cfg, state)
+    return state
+
+  def _prime(self, cfg: ModelConfig, state: FreeKVState) -> FreeKVState:
+    """per_step: selects every sparse layer's first pages with the prompt's last query and
+    recalls them, so the first decode step attends pages already resident."""
+    S, W, P = self.sinks, self.window, self.page_size
+    candidates = jnp.maximum(state.prompt_lengths - W - S, 0) // P  # as the first step's c_prev
+    selection, fetch, slots = _first_selection(state.prev_q, state.kmax, state.kmin, state.pool_ids, candidates,
+                                               n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale)
+    sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(cfg.num_layers)])
+    state = state.replace(selection=jnp.where(sparse[:, None, None, None], selection, -1),
+                          step_fetch=jnp.where(sparse[:, None, None, None], fetch, -1), step_slots=slots,
+                          primed=sparse)
+    return self._exchange(state, count=False)
+
+  def after_step(self, cfg, state: FreeKVState) -> FreeKVState:
+    self.check(state)
+    return self._exchange(state) if self.bridge == "per_step" else state
+
+  def _exchange(self, state: FreeKVState, *, count: bool = True) -> FreeKVState:
+    """per_step, between steps: the host stores the evicted tokens and gathers the pages the
+    next step lacks; they are copied to the device and scattered into the pool."""
+    t0 = time.perf_counter()
+    runtime = self.runtime(state)
+    step = jax.device_get((state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch,
+                           state.step_slots, state.step_counters))  # the copies start together
+    update = runtime.exchange(*(np.asarray(a) for a in step), pool_slots=self.n_sel, count=count)
+    device = next(iter(state.pool_k.devices()))
+    stats = runtime.stats if count else freekv_host.FreeKVStats()  # the priming exchange belongs to the prefill
+    packed = row_update.TransferTimer(stats, device, self.transfer)(update)
+    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
+    stats.exchange_seconds += time.perf_counter() - t0
+    # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
+    # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
+    return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids)
 
   # -- attention -------------------------------------------------------------------------
 
@@ -412,13 +523,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def write_prompt(self, cfg, layer, q, k, v, positions, state: FreeKVState) -> FreeKVState:
     slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
-    return state.replace(dense=write_dense(state.dense, slot, k, v, positions))
+    return _keep_last_query(state.replace(dense=write_dense(state.dense, slot, k, v, positions)), layer, q, positions)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: FreeKVState):
     slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]
     o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
                                 window=layer_window(cfg, layer))
-    return o, state.replace(dense=dense)
+    return o, _keep_last_query(state.replace(dense=dense), layer, q, positions)
 
   def _dense_decode(self, cfg, layer, slot, q, k, v, positions, state: FreeKVState):
     o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
@@ -485,6 +596,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     else:
       correct = jnp.ones((B, H), bool)
       sel_cur = wanted_now = sel_now
+    per_step = self.bridge == "per_step"
+    if per_step:
+      # No correction (it would need the host inside the step): every head attends its whole
+      # pool, the previous step's selection (recalled between steps) and, where that had fewer
+      # than n_sel pages, older resident ones. `correct` only counts the heads per_layer would
+      # correct; `missed` below counts the current selection's pages not resident.
+      sel_cur, wanted_now = pool_ids, jnp.full_like(wanted_now, -1)
     fetch_a, slots_a, pool_ids_a = plan_recall(pool_ids, wanted_now, pooled_now, R)
     fetch, new_ids = fetch_a, pool_ids_a
     if self.speculative:
@@ -492,16 +610,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       pooled_next = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
       sel_next = top_pages(pooled_next, n)
       fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
-      fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
-
-    counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, jnp.broadcast_to(reused, (B, H)),
-                          jnp.broadcast_to(hits, (B, H))], axis=-1).astype(jnp.int32)
-    dtype = state.pool_k.dtype
-    out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, D), dtype)
-    callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(dtype))
-    pages_k, pages_v, status = jax.pure_callback(
-        callback, (out, out, jax.ShapeDtypeStruct((), jnp.int32)), state.runtime_id, layer, ev_k, ev_v,
-        jnp.where(has_ev, ev_pos, -1), fetch, counters, vmap_method="sequential")
+      fetch = fetch_b if per_step else jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # Attention: ring (two intervals of the circular recent part, the sinks joined to the
     # wrapped one) + resident selected pages + the pages recalled for a correction.
@@ -516,9 +625,35 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     slots, counts = listed_slots(pool_ids, sel_cur)
     resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
                                            scale=cfg.attn_scale, implementation=self._paged_impl())
+    recalled_count = jnp.sum(fetch_a >= 0, axis=-1).astype(jnp.int32)  # [B, H]
+    if per_step:
+      missed = jnp.sum((sel_now >= 0) & ~_member(sel_now, pool_ids), axis=-1)  # the lag's cost
+    else:
+      missed = jnp.sum(sel_cur >= 0, axis=-1) - counts - recalled_count  # selected, not attended
+    counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, jnp.broadcast_to(reused, (B, H)),
+                          jnp.broadcast_to(hits, (B, H)), missed], axis=-1).astype(jnp.int32)
+    evicted_pos = jnp.where(has_ev, ev_pos, -1)
+    state = state.replace(
+        ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin,
+        selection=state.selection.at[layer].set(sel_next if self.speculative else sel_now),
+        prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)), primed=state.primed.at[layer].set(True))
+    if per_step:  # the host recalls the next step's pages between steps (self._exchange)
+      o, _ = ops.merge_partials([ring1, ring2, resident])
+      return o[:, None], state.replace(
+          step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
+          step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos),
+          step_fetch=state.step_fetch.at[layer].set(fetch), step_slots=state.step_slots.at[layer].set(slots_b),
+          step_counters=state.step_counters.at[layer].set(counters))
+
+    dtype = state.pool_k.dtype
+    out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, D), dtype)
+    callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(dtype))
+    pages_k, pages_v, status = jax.pure_callback(
+        callback, (out, out, jax.ShapeDtypeStruct((), jnp.int32)), state.runtime_id, layer, ev_k, ev_v,
+        evicted_pos, fetch, counters, vmap_method="sequential")
     recalled = ops.paged_partial_attention(
         q0, pages_k[:, :, :R], pages_v[:, :, :R], jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (B, H, R)),
-        jnp.sum(fetch_a >= 0, axis=-1).astype(jnp.int32), scale=cfg.attn_scale, implementation=self._paged_impl())
+        recalled_count, scale=cfg.attn_scale, implementation=self._paged_impl())
     o, _ = ops.merge_partials([ring1, ring2, resident, recalled])
 
     # Pool update (after attention in data-flow terms): the correction's pages, then the next
@@ -529,10 +664,6 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.speculative:
       pool_k = pool_k.at[idx + (slots_b,)].set(pages_k[:, :, R:], mode="drop")
       pool_v = pool_v.at[idx + (slots_b,)].set(pages_v[:, :, R:], mode="drop")
-    state = state.replace(
-        ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin, pool_k=pool_k, pool_v=pool_v,
-        pool_ids=state.pool_ids.at[layer].set(new_ids),
-        selection=state.selection.at[layer].set(sel_next if self.speculative else sel_now),
-        prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
-        primed=state.primed.at[layer].set(True), status=jnp.maximum(state.status, status))
+    state = state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=state.pool_ids.at[layer].set(new_ids),
+                          status=jnp.maximum(state.status, status))
     return o[:, None], state

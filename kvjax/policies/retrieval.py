@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 
 import flax.struct
 import jax
@@ -41,7 +40,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import host_runtime, prefetch_runtime
+from kvjax import host_runtime, prefetch_runtime, row_update
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
@@ -101,6 +100,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
+  transfer: per_step only: how each step's row update reaches the device, "pinned" (staged in
+    page-locked host memory) or "pageable" (kvjax.row_update.to_device).
   roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
     group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
     recall on Gemma-3 32K; host_index/NOTES_roar.md).
@@ -120,9 +121,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   bridge: str = "per_layer"
   tail_slots: int = 8
   lag: int = 1
+  transfer: str = "pinned"
   roar_heads: str = "query"
   name: str = "retrieval"
-  decode_options = ("topk", "ef", "speculative", "tau", "implementation")
+  decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -149,6 +151,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"lag={self.lag}; expected 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
       raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
+    if self.transfer not in row_update.TRANSFERS:
+      raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.roar_heads not in ("query", "kv"):
       raise ValueError(f"roar_heads={self.roar_heads!r}; expected 'query' or 'kv'")
     if self.roar_heads == "kv" and self.index != "roar":
@@ -206,7 +210,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       # The host is idle while the device runs a step: the background indexing may use every core.
       runtime = prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
                                                  background_threads=host_runtime.available_cores(), **common)
-      runtime.reuse_buffers = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
+      runtime.buffers.reuse = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
       return runtime
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
@@ -242,20 +246,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     dense = set(self.dense_layer_ids(cfg))
     return [l for l in range(cfg.num_layers) if l not in dense]
 
-  def _update_to_device(self, state: RetrievalState):
+  def _update_to_device(self, state: RetrievalState) -> row_update.TransferTimer:
     """A RowUpdate (numpy) -> its packed bytes on the state's device, copy complete on return
     (the host buffer is rewritten by the next prefetch)."""
-    stats = self.runtime(state).stats
     device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
-
-    def to_device(update):
-      t0 = time.perf_counter()
-      on_device = jax.block_until_ready(jax.device_put(update.packed, device))  # one copy for the whole update
-      stats.transfer_seconds += time.perf_counter() - t0
-      stats.transfer_bytes += update.packed.nbytes
-      return on_device
-
-    return to_device
+    return row_update.TransferTimer(self.runtime(state).stats, device, self.transfer)
 
   def _prefetch(self, cfg, state: RetrievalState, *step):
     """Runs the host's per-step work now (kvjax.prefetch_runtime) and applies the resulting row
@@ -438,35 +433,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
 
 def _apply_update(state: RetrievalState, packed) -> RetrievalState:
-  """Scatters a packed RowUpdate (kvjax.prefetch_runtime), already on the device, into the
+  """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the
   state's row buffers, in place."""
-  buf_k, buf_v, buf_ids = _scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
+  buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
   return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _scatter_rows(
-    buf_k,  # [L, B, Hq, slots, D]
-    buf_v,  # [L, B, Hq, slots, D]
-    buf_ids,  # [L, B, Hq, slots] int32
-    packed,  # [n * (8 + 2 * D * itemsize)] uint8: dest, ids (int32 [n] each), k rows, v rows ([n, D])
-):
-  """Unpacks (bitcasts) and scatters; one compile per padded update size, a short ladder of
-  sizes (kvjax.prefetch_runtime.padded_size)."""
-  D, itemsize = buf_k.shape[-1], jnp.dtype(buf_k.dtype).itemsize
-  n = packed.shape[0] // (8 + 2 * D * itemsize)
-
-  def part(start, count, dtype, width):  # bytes -> [count, width] of dtype
-    raw = packed[start:start + count * width * jnp.dtype(dtype).itemsize]
-    return jax.lax.bitcast_convert_type(raw.reshape(count, width, jnp.dtype(dtype).itemsize), dtype)
-
-  dest = part(0, n, jnp.int32, 1)[:, 0]  # distinct; out of range = padding, dropped
-  ids = part(4 * n, n, jnp.int32, 1)[:, 0]
-  rows_k = part(8 * n, n, buf_k.dtype, D)
-  rows_v = part(8 * n + n * D * itemsize, n, buf_k.dtype, D)
-  put = lambda buf, new: buf.reshape(-1, *new.shape[1:]).at[dest].set(
-      new, mode="drop", unique_indices=True).reshape(buf.shape)
-  return put(buf_k, rows_k), put(buf_v, rows_v), put(buf_ids, ids)
 
 
 def _host_arrays(step):
