@@ -166,6 +166,20 @@ class DenseLayersMixin:
       table[l] = i
     return jnp.asarray(table)[layer]
 
+  def dense_or_sparse(self, cfg: ModelConfig, layer, dense_fn, sparse_fn, state):
+    """dense_fn(slot, state) on a dense layer (slot: its index in the dense cache), else
+    sparse_fn(state). A Python int layer (unrolled layers, as on a GPU) picks the branch while
+    tracing: a lax.cond whose branches return the policy state may copy the state's buffers on
+    every layer (freekv at 8B shapes: ~10 ms per sequence per step); a traced layer (lax.scan)
+    needs the cond."""
+    dense = self.dense_layer_ids(cfg)
+    if not dense:
+      return sparse_fn(state)
+    if isinstance(layer, (int, np.integer)):
+      return dense_fn(dense.index(layer), state) if layer in dense else sparse_fn(state)
+    slot = self.dense_slot(cfg, layer)
+    return jax.lax.cond(slot >= 0, lambda st: dense_fn(slot, st), sparse_fn, state)
+
 
 class HostBackedMixin:
   """For policies whose state names a host runtime (kvjax.host_runtime) by its id.

@@ -514,12 +514,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return self._prefill(cfg, layer, q, k, v, positions, state)
     if q.shape[1] != 1:
       raise ValueError(f"freekv decodes one token per step after finish_prefill, got a chunk of {q.shape[1]}")
-    if not self.dense_layer_ids(cfg):
-      return self._sparse(cfg, layer, q, k, v, positions, state)
-    slot = self.dense_slot(cfg, layer)
-    return jax.lax.cond(slot >= 0,
-                        lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
-                        lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
+    return self.dense_or_sparse(cfg, layer, lambda slot, st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
+                                lambda st: self._sparse(cfg, layer, q, k, v, positions, st), state)
 
   def write_prompt(self, cfg, layer, q, k, v, positions, state: FreeKVState) -> FreeKVState:
     slot = jnp.asarray(self.prefill_slots(cfg, state.staged))[layer]

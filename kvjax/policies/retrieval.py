@@ -272,13 +272,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def attend(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     if q.shape[1] > 1:
       return self._prefill(cfg, layer, q, k, v, positions, state)
-    slot = self.dense_slot(cfg, layer)
     retrieve = self._retrieve if self.bridge == "per_layer" else self._retrieve_prefetched
-    if not self.dense_layer_ids(cfg):
-      return retrieve(cfg, layer, q, k, v, positions, state)
-    return jax.lax.cond(slot >= 0,
-                        lambda st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
-                        lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
+    return self.dense_or_sparse(cfg, layer, lambda slot, st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
+                                lambda st: retrieve(cfg, layer, q, k, v, positions, st), state)
 
   def _prefill(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     state = self.write_prompt(cfg, layer, q, k, v, positions, state)
