@@ -574,42 +574,19 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
     c_prev = jnp.maximum(pos - W - S, 0) // P  # complete pages before this step's eviction
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # ... and after it
-    pooled_now = page_scores(q0, kmax[layer], kmin[layer], c_prev, scale=cfg.attn_scale)
-    sel_now = top_pages(pooled_now, n)  # [B, H, n]
     prev_sel = state.selection[layer]
     primed = state.primed[layer]
-    reused = jnp.sum(prev_sel >= 0, axis=-1)
-    hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
-
     pool_ids = state.pool_ids[layer]
+    reused = jnp.broadcast_to(jnp.sum(prev_sel >= 0, axis=-1), (B, H))
+    correct = jnp.ones((B, H), bool)
     if self.speculative:
       q32, p32 = q0.astype(jnp.float32), state.prev_q[layer]
       cos = jnp.sum(q32 * p32, -1) / jnp.maximum(jnp.linalg.norm(q32, axis=-1) * jnp.linalg.norm(p32, axis=-1), 1e-30)
       group_cos = jnp.mean(cos.reshape(B, H, Hq // H), axis=-1)  # [B, H]
       correct = ~primed | (group_cos < self.tau) | (self.tau >= 1.0)
-      sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
-      wanted_now = jnp.where(correct[..., None], sel_now, -1)
-    else:
-      correct = jnp.ones((B, H), bool)
-      sel_cur = wanted_now = sel_now
-    per_step = self.bridge == "per_step"
-    if per_step:
-      # No correction (it would need the host inside the step): every head attends its whole
-      # pool, the previous step's selection (recalled between steps) and, where that had fewer
-      # than n_sel pages, older resident ones. `correct` only counts the heads per_layer would
-      # correct; `missed` below counts the current selection's pages not resident.
-      sel_cur, wanted_now = pool_ids, jnp.full_like(wanted_now, -1)
-    fetch_a, slots_a, pool_ids_a = plan_recall(pool_ids, wanted_now, pooled_now, R)
-    fetch, new_ids = fetch_a, pool_ids_a
-    if self.speculative:
-      # The next step's selection: q_t over the pages complete after this step's eviction.
-      pooled_next = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
-      sel_next = top_pages(pooled_next, n)
-      fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
-      fetch = fetch_b if per_step else jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
-    # Attention: ring (two intervals of the circular recent part, the sinks joined to the
-    # wrapped one) + resident selected pages + the pages recalled for a correction.
+    # Attention over the ring: two intervals of its circular recent part, the sinks joined to
+    # the wrapped one.
     local_start = S + c_prev * P
     count = jnp.maximum(pos + 1 - local_start, 0)
     a = (local_start - S) % ring_len
@@ -618,29 +595,61 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring2 = ops.partial_attention(q0, ring_k, ring_v,
                                   jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
                                   layer=layer, scale=cfg.attn_scale, implementation=impl)
+    evicted_pos = jnp.where(has_ev, ev_pos, -1)
+    state = state.replace(ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin,
+                          prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
+                          primed=state.primed.at[layer].set(True))
+
+    if self.bridge == "per_step":
+      # No correction (it would need the host inside the step): every head attends its whole
+      # pool, the previous step's selection (recalled between steps) and, where that had fewer
+      # than n_sel pages, older resident ones; `correct` only counts the heads per_layer would
+      # correct. The one selection made here (q_t over the pages complete after this step's
+      # eviction) serves the next step, and what it lacks is the lag's cost (`missed`).
+      pooled = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
+      selection = top_pages(pooled, n)
+      fetch, fetch_slots, _ = plan_recall(pool_ids, selection, pooled, R)
+      slots, counts = listed_slots(pool_ids, pool_ids)
+      resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
+                                             scale=cfg.attn_scale, implementation=self._paged_impl())
+      o, _ = ops.merge_partials([ring1, ring2, resident])
+      hits = jnp.sum(_member(prev_sel, selection), axis=-1)
+      # (A page that completed in this step was attended from the ring: not missed.)
+      older = (selection >= 0) & (selection < c_prev[:, None, None])
+      missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
+      counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
+      return o[:, None], state.replace(
+          selection=state.selection.at[layer].set(selection),
+          step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
+          step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos),
+          step_fetch=state.step_fetch.at[layer].set(fetch), step_slots=state.step_slots.at[layer].set(fetch_slots),
+          step_counters=state.step_counters.at[layer].set(counters.astype(jnp.int32)))
+
+    pooled_now = page_scores(q0, kmax[layer], kmin[layer], c_prev, scale=cfg.attn_scale)
+    sel_now = top_pages(pooled_now, n)  # [B, H, n]
+    hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
+    if self.speculative:
+      sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
+      wanted_now = jnp.where(correct[..., None], sel_now, -1)
+    else:
+      sel_cur = wanted_now = sel_now
+    fetch_a, slots_a, pool_ids_a = plan_recall(pool_ids, wanted_now, pooled_now, R)
+    fetch, new_ids, sel_next = fetch_a, pool_ids_a, sel_now
+    if self.speculative:
+      # The next step's selection: q_t over the pages complete after this step's eviction.
+      pooled_next = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
+      sel_next = top_pages(pooled_next, n)
+      fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
+      fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
+
+    # + resident selected pages + the pages recalled for a correction (from the callback).
     slots, counts = listed_slots(pool_ids, sel_cur)
     resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
                                            scale=cfg.attn_scale, implementation=self._paged_impl())
     recalled_count = jnp.sum(fetch_a >= 0, axis=-1).astype(jnp.int32)  # [B, H]
-    if per_step:
-      missed = jnp.sum((sel_now >= 0) & ~_member(sel_now, pool_ids), axis=-1)  # the lag's cost
-    else:
-      missed = jnp.sum(sel_cur >= 0, axis=-1) - counts - recalled_count  # selected, not attended
-    counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, jnp.broadcast_to(reused, (B, H)),
-                          jnp.broadcast_to(hits, (B, H)), missed], axis=-1).astype(jnp.int32)
-    evicted_pos = jnp.where(has_ev, ev_pos, -1)
-    state = state.replace(
-        ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin,
-        selection=state.selection.at[layer].set(sel_next if self.speculative else sel_now),
-        prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)), primed=state.primed.at[layer].set(True))
-    if per_step:  # the host recalls the next step's pages between steps (self._exchange)
-      o, _ = ops.merge_partials([ring1, ring2, resident])
-      return o[:, None], state.replace(
-          step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
-          step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos),
-          step_fetch=state.step_fetch.at[layer].set(fetch), step_slots=state.step_slots.at[layer].set(slots_b),
-          step_counters=state.step_counters.at[layer].set(counters))
-
+    missed = jnp.sum(sel_cur >= 0, axis=-1) - counts - recalled_count  # selected, not attended
+    counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, jnp.broadcast_to(hits, (B, H)), missed],
+                         axis=-1).astype(jnp.int32)
     dtype = state.pool_k.dtype
     out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, D), dtype)
     callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(dtype))
@@ -661,5 +670,5 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       pool_k = pool_k.at[idx + (slots_b,)].set(pages_k[:, :, R:], mode="drop")
       pool_v = pool_v.at[idx + (slots_b,)].set(pages_v[:, :, R:], mode="drop")
     state = state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=state.pool_ids.at[layer].set(new_ids),
-                          status=jnp.maximum(state.status, status))
+                          selection=state.selection.at[layer].set(sel_next), status=jnp.maximum(state.status, status))
     return o[:, None], state
