@@ -221,7 +221,8 @@ def _prompt_summaries(
     page_size: int,
     num_pages: int,
 ):
-  """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; 0 for empty pages."""
+  """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; (+inf, -inf) for
+  empty pages."""
   B, H, cap, D = k.shape
   need = sinks + num_pages * page_size
   if need > cap:
@@ -232,7 +233,8 @@ def _prompt_summaries(
   hi = jnp.max(jnp.where(valid, pages, -jnp.inf), axis=3)
   lo = jnp.min(jnp.where(valid, pages, jnp.inf), axis=3)
   some = jnp.any(valid, axis=3)
-  return jnp.where(some, lo, 0).astype(k.dtype), jnp.where(some, hi, 0).astype(k.dtype)
+  # An empty page's (min, max) is (+inf, -inf), so decode folds its first key in by min/max alone.
+  return jnp.where(some, lo, jnp.inf).astype(k.dtype), jnp.where(some, hi, -jnp.inf).astype(k.dtype)
 
 
 def _keep_last_query(
@@ -389,7 +391,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     pool = (L, batch, H, n, P, D)
     return FreeKVState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
-        kmax=jnp.zeros(pages, dtype), kmin=jnp.zeros(pages, dtype),
+        kmax=jnp.full(pages, -jnp.inf, dtype), kmin=jnp.full(pages, jnp.inf, dtype),  # empty pages
         pool_k=jnp.zeros(pool, dtype), pool_v=jnp.zeros(pool, dtype),
         pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
         prev_q=jnp.zeros((L, batch, Hq, D), jnp.float32), primed=jnp.zeros((L,), bool),
@@ -552,25 +554,24 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     q0 = q[:, 0]  # [B, Hq, D]
     impl = resolve_implementation(self.implementation)
 
-    # Ring: the token leaving the window (p - W) sits in another slot than the new one.
+    # Ring: the token leaving the window (p - W) sits in another slot than the new one, so it is
+    # read after the write. Neither the ring nor the summaries below are read before their
+    # update: a read of the old buffer made XLA copy the whole [L, ...] arrays every layer
+    # (measured: 8B shapes, ~10 ms per sequence per step).
     slot = jnp.where(pos < S, pos, S + (pos - S) % ring_len)
     ev_pos = pos - W
     has_ev = ev_pos >= S
     ev_slot = S + (ev_pos - S) % ring_len
-    ev_k = state.ring_k[layer, b, :, ev_slot]  # [B, H, D]
-    ev_v = state.ring_v[layer, b, :, ev_slot]
-    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
-    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
+    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype), mode="promise_in_bounds")
+    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype), mode="promise_in_bounds")
+    ev_k = ring_k[layer, b, :, ev_slot]  # [B, H, D] (unused where has_ev is false)
+    ev_v = ring_v[layer, b, :, ev_slot]
 
     # Fold the evicted key into its page's min/max (a running summary; the page becomes a
-    # candidate once complete).
-    ev_idx = ev_pos - S
-    ev_page = jnp.where(has_ev, ev_idx // P, N)  # N: dropped
-    first = (ev_idx % P == 0)[:, None, None]
-    old_hi = state.kmax[layer, b, :, jnp.minimum(ev_page, N - 1)]
-    old_lo = state.kmin[layer, b, :, jnp.minimum(ev_page, N - 1)]
-    kmax = state.kmax.at[layer, b, :, ev_page].set(jnp.where(first, ev_k, jnp.maximum(old_hi, ev_k)), mode="drop")
-    kmin = state.kmin.at[layer, b, :, ev_page].set(jnp.where(first, ev_k, jnp.minimum(old_lo, ev_k)), mode="drop")
+    # candidate once complete). Empty pages hold (+inf, -inf): a scatter-min/max needs no read.
+    ev_page = jnp.where(has_ev, (ev_pos - S) // P, N)  # N: dropped
+    kmax = state.kmax.at[layer, b, :, ev_page].max(ev_k, mode="drop")
+    kmin = state.kmin.at[layer, b, :, ev_page].min(ev_k, mode="drop")
 
     c_prev = jnp.maximum(pos - W - S, 0) // P  # complete pages before this step's eviction
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # ... and after it
@@ -618,6 +619,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       older = (selection >= 0) & (selection < c_prev[:, None, None])
       missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
+      # The selection and the evicted token feed only the host, not this layer's output: tie them
+      # to it, or nothing orders their reads of the summaries and the ring before the next
+      # layer's updates, and XLA copies both whole arrays every layer instead.
+      o, selection, fetch, fetch_slots, counters, ev_k, ev_v = jax.lax.optimization_barrier(
+          (o, selection, fetch, fetch_slots, counters, ev_k, ev_v))
       return o[:, None], state.replace(
           selection=state.selection.at[layer].set(selection),
           step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
