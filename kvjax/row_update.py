@@ -98,7 +98,10 @@ def new_update(buffers: StepBuffers, count: int, most: int, width: int, dtype) -
 def to_device(packed: np.ndarray, device, transfer: str):
   """Copies `packed` to `device` and waits for the copy (the host buffer may be rewritten
   next). transfer "pinned" stages it in page-locked host memory first (a host memcpy; the DMA
-  from there runs at ~46 GB/s on the H200 machine, against ~6.7 GB/s from pageable memory)."""
+  from there runs at ~46 GB/s on the H200 machine, against ~6.7 GB/s from pageable memory). For
+  freekv's ~20 MB updates the two took the same median time per step, and pinned cost ~1.3 s
+  more over a 24-step run (experiments/results/bench_scale_8b_synthetic_128k_step_b1_static.md),
+  so the policies default to "pageable"."""
   if transfer not in TRANSFERS:
     raise ValueError(f"transfer={transfer!r}; expected one of {TRANSFERS}")
   on_device = jax.sharding.SingleDeviceSharding(device)

@@ -34,7 +34,7 @@ state, in a layer-major prefill or a synthetic context, does this per layer as e
     (q_t over the candidates complete after this step's eviction) is made and its missing
     pages recalled.
 
-Recall path (chosen: the simplest correct one). Selection, the missing-page lists and the slot
+Recall path of bridge="per_layer". Selection, the missing-page lists and the slot
 of each recalled page are computed on the device; the one `jax.pure_callback` per sparse
 layer per step appends the evicted token and returns the requested pages with static shapes
 [B, Hkv, R, P, D] (K and V) with R = max_recall (non-speculative) or 2 * max_recall (the
@@ -52,10 +52,24 @@ and sequence, 256 MiB per token, ≈ 45 ms at the measured 6 GB/s of callback ou
 without speculation); `max_recall` bounds it. The stats report both the bytes of the pages
 really recalled and the bytes the callbacks carried.
 
-Not done: the `pinned_host` asynchronous copy path of DESIGN.md (consequence 5), which would
-move only the missing pages and overlap device work; host threads that prepare the next
-step's recall between callbacks (the callback does the copy in line); a pool only for the
-sparse layers (pools and summaries exist for every layer, dense ones unused).
+The per_step bridge (bridge="per_step"). A callback inside the step costs 0.4-0.6 ms on the
+H200 even when empty, and the GPU idles meanwhile; with one per sparse layer that was most of
+the step (8B shapes at 128K: 108 ms per token against 30-34 ms per_step,
+experiments/results/bench_scale_8b_synthetic_128k_step_b1.md). So per_step keeps the host out of
+the jitted step. Every head attends its whole pool (the previous step's selection and, where that
+had fewer than n_sel pages, older resident ones) besides the ring; the one selection made in the
+step (q_t over the pages complete after its eviction) serves the next step, and the step exports
+its missing pages and their slots (plan_recall), the evicted token and the counters. Between
+steps (`after_step`) the host appends the evicted tokens and gathers the missing pages into one
+packed kvjax.row_update.RowUpdate, copied to the device in one transfer (pinned or pageable) and
+scattered into the pool in place. There is no correction (it would need the host inside the
+step): `correct` only counts the heads per_layer would correct, and `missed` counts the pages a
+selection wanted that were not resident when its step attended (the one-step lag's cost). A
+priming exchange after prefill recalls the first selection, made with the prompt's last query.
+
+Not done: host threads preparing the next recall while the device computes (a lag-2 variant as
+retrieval's); a pool only for the sparse layers (pools and summaries exist for every layer, dense
+ones unused).
 """
 
 from __future__ import annotations
@@ -311,7 +325,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   dense_layers: tuple[int, ...] = (0,)
   implementation: str = "auto"
   bridge: str = "per_layer"
-  transfer: str = "pinned"
+  transfer: str = "pageable"
   name: str = "freekv"
   decode_options = ("speculative", "tau", "implementation", "transfer")
   takes_written_prompt = True

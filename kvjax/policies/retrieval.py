@@ -121,7 +121,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   bridge: str = "per_layer"
   tail_slots: int = 8
   lag: int = 1
-  transfer: str = "pinned"
+  transfer: str = "pageable"
   roar_heads: str = "query"
   name: str = "retrieval"
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer")
