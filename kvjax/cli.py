@@ -57,7 +57,7 @@ def define_flags() -> None:
                     "exchange between steps (previous step's selection, no host inside the step).")
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
                        "step t - lag (1: host works between steps; 2: while the device computes).")
-  flags.DEFINE_enum("transfer", None, ["pinned", "pageable"],
+  flags.DEFINE_enum("transfer", None, ["pageable", "pinned"],
                     "per_step bridge: copy each step's host update to the device from page-locked or pageable memory.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")

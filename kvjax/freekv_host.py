@@ -38,8 +38,9 @@ class FreeKVStats:
     corrected_heads: of those, heads corrected synchronously.
     reused_pages: pages of the previous step's selection, over decided heads.
     reused_hits: of those, pages still in the current query's selection.
-    missed_pages: pages of a head's selection it did not attend (more missing than max_recall;
-      per_step: a corrected head's current selection not resident).
+    missed_pages: pages of a head's selection it did not attend (per_layer: more missing than
+      max_recall; per_step: pages the step's own query selected among those complete before it
+      that were not resident, the cost of attending the previous step's selection).
     sync_pages: pages recalled before attention (corrections; every recall without
       speculation): on the critical path.
     spec_pages: pages recalled for the next step's speculative selection.

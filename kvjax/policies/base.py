@@ -169,9 +169,8 @@ class DenseLayersMixin:
   def dense_or_sparse(self, cfg: ModelConfig, layer, dense_fn, sparse_fn, state):
     """dense_fn(slot, state) on a dense layer (slot: its index in the dense cache), else
     sparse_fn(state). A Python int layer (unrolled layers, as on a GPU) picks the branch while
-    tracing: a lax.cond whose branches return the policy state may copy the state's buffers on
-    every layer (freekv at 8B shapes: ~10 ms per sequence per step); a traced layer (lax.scan)
-    needs the cond."""
+    tracing (no lax.cond carrying the whole policy state through both branches, which XLA may
+    copy); a traced layer (lax.scan) needs the cond."""
     dense = self.dense_layer_ids(cfg)
     if not dense:
       return sparse_fn(state)

@@ -309,7 +309,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     bridge: "per_layer" (one host callback per sparse layer inside the step: synchronous
       correction) or "per_step" (one host exchange between steps, no callback: see "The
       per_step bridge" in the module docstring; needs speculative=True).
-    transfer: per_step only: how the recalled pages reach the device, "pinned" or "pageable"
+    transfer: per_step only: how the recalled pages reach the device, "pageable" or "pinned"
       (kvjax.row_update.to_device).
     dense_layers: layers attended densely on the device (sliding-window layers always are).
     implementation: device kernels, "auto" | "pallas" | "xla".
@@ -570,8 +570,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
     # Ring: the token leaving the window (p - W) sits in another slot than the new one, so it is
     # read after the write. Neither the ring nor the summaries below are read before their
-    # update: a read of the old buffer made XLA copy the whole [L, ...] arrays every layer
-    # (measured: 8B shapes, ~10 ms per sequence per step).
+    # update: a read of the old buffer made XLA copy the whole [L, ...] arrays every layer (in
+    # the compiled CPU program, tests/test_freekv.py; the H200 step time did not change
+    # measurably when this was removed).
     slot = jnp.where(pos < S, pos, S + (pos - S) % ring_len)
     ev_pos = pos - W
     has_ev = ev_pos >= S
@@ -662,7 +663,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
-    # + resident selected pages + the pages recalled for a correction (from the callback).
+    # The resident selected pages; then (below) the pages the callback recalls for a correction.
     slots, counts = listed_slots(pool_ids, sel_cur)
     resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
                                            scale=cfg.attn_scale, implementation=self._paged_impl())
