@@ -97,7 +97,7 @@ class FreeKVRuntime:
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
     self.stats = FreeKVStats()
-    self.buffers = row_update.StepBuffers()  # the caller sets buffers.reuse where the device cannot alias them
+    self.buffers = row_update.StepBuffers()
     self.errors: list[str] = []
     self.id = host_runtime.register(self)
 
@@ -175,12 +175,10 @@ class FreeKVRuntime:
       counters,  # [L, B, Hkv, 5] int: the step's per-head counters (see decode_layer)
       *,
       pool_slots: int,
-      count: bool = True,
   ) -> row_update.RowUpdate:
     """per_step, between steps: appends every layer's evicted token, then gathers the pages
     asked for into one RowUpdate of the flattened [L, B, Hkv, pool_slots] pool (a row: one
-    page, [page_size * D]). count=False (the priming exchange after prefill) leaves the
-    counters alone."""
+    page, [page_size * D])."""
     t0 = time.perf_counter()
     for layer in np.flatnonzero((evicted_pos >= 0).any(axis=1)):
       self._insert(int(layer), evicted_k[layer], evicted_v[layer], evicted_pos[layer])
@@ -201,12 +199,11 @@ class FreeKVRuntime:
     update.dest[:pages.size] = ((layer_of * B + seq_of) * H + head_of) * pool_slots + slots[want]
     update.ids[:pages.size] = pages
     update.pad(L * B * H * pool_slots)
-    if count:  # the priming exchange belongs to the prefill
-      self.stats.spec_pages += int(pages.size)
-      self.stats.insert_seconds += t1 - t0
-      self.stats.fetch_seconds += time.perf_counter() - t1
-      self._count(counters)
-      self.stats.exchanges += 1
+    self.stats.spec_pages += int(pages.size)
+    self.stats.insert_seconds += t1 - t0
+    self.stats.fetch_seconds += time.perf_counter() - t1
+    self._count(counters)
+    self.stats.exchanges += 1
     return update
 
 

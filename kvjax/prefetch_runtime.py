@@ -62,7 +62,7 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     self.tail_slots = int(tail_slots)
     self.search_threads = available_cores()  # nothing else runs on the host during the search
-    self.buffers = StepBuffers()  # the caller sets buffers.reuse where the device cannot alias them
+    self.buffers = StepBuffers()
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the

@@ -73,10 +73,10 @@ class StepBuffers:
   With `reuse` one buffer (of the largest update) serves every step: the caller's copy to the
   device of one step's update must be complete before the next update is packed (`to_device`
   blocks until it is). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the
-  dev box); the CPU backend may alias host memory, so it must not reuse them."""
+  dev box); the CPU backend may alias host memory, so by default only other backends reuse."""
 
   def __init__(self):
-    self.reuse = False
+    self.reuse = jax.default_backend() != "cpu"
     self._buffer = None
 
   def get(self, nbytes: int, most: int) -> np.ndarray:

@@ -425,10 +425,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
-    runtime = freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size,
-                                        sync_recall=self.recall, sparse_layers=sparse)
-    runtime.buffers.reuse = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
-    return runtime
+    return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
+                                     sparse_layers=sparse)
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""
@@ -500,25 +498,26 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     state = state.replace(selection=jnp.where(sparse[:, None, None, None], selection, -1),
                           step_fetch=jnp.where(sparse[:, None, None, None], fetch, -1), step_slots=slots,
                           primed=sparse)
-    return self._exchange(state, count=False)
+    state = self._exchange(state)
+    self.runtime(state).stats = freekv_host.FreeKVStats()  # the priming exchange belongs to the prefill
+    return state
 
   def after_step(self, cfg, state: FreeKVState) -> FreeKVState:
     self.check(state)
     return self._exchange(state) if self.bridge == "per_step" else state
 
-  def _exchange(self, state: FreeKVState, *, count: bool = True) -> FreeKVState:
+  def _exchange(self, state: FreeKVState) -> FreeKVState:
     """per_step, between steps: the host stores the evicted tokens and gathers the pages the
     next step lacks; they are copied to the device and scattered into the pool."""
     t0 = time.perf_counter()
     runtime = self.runtime(state)
     step = jax.device_get((state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch,
                            state.step_slots, state.step_counters))  # the copies start together
-    update = runtime.exchange(*(np.asarray(a) for a in step), pool_slots=self.n_sel, count=count)
+    update = runtime.exchange(*step, pool_slots=self.n_sel)
     device = next(iter(state.pool_k.devices()))
-    stats = runtime.stats if count else freekv_host.FreeKVStats()  # the priming exchange belongs to the prefill
-    packed = row_update.TransferTimer(stats, device, self.transfer)(update)
+    packed = row_update.TransferTimer(runtime.stats, device, self.transfer)(update)
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
-    stats.exchange_seconds += time.perf_counter() - t0
+    runtime.stats.exchange_seconds += time.perf_counter() - t0
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids)

@@ -100,8 +100,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
-  transfer: per_step only: how each step's row update reaches the device, "pinned" (staged in
-    page-locked host memory) or "pageable" (kvjax.row_update.to_device).
+  transfer: per_step only: how each step's row update reaches the device, "pageable" (the
+    default) or "pinned" (staged in page-locked host memory; kvjax.row_update.to_device).
   roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
     group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
     recall on Gemma-3 32K; host_index/NOTES_roar.md).
@@ -208,10 +208,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
-      runtime = prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
-                                                 background_threads=host_runtime.available_cores(), **common)
-      runtime.buffers.reuse = jax.default_backend() != "cpu"  # the CPU backend may alias numpy memory
-      return runtime
+      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
+                                              background_threads=host_runtime.available_cores(), **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
