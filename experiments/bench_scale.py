@@ -67,6 +67,9 @@ flags.DEFINE_integer("max_recall", None, "freekv's pages recalled per (seq, KV h
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
 flags.DEFINE_boolean("layer_major", False, "Real contexts: layer-major prefill (one layer's prompt KV on the device "
                      "at a time for retrieval and freekv; kvjax.prefill).")
+flags.DEFINE_integer("trace", 0, "GPU only: decode under the profiler and write each row's top N kernel groups "
+                     "(device time per step after the first) to <name>_kernels; the traced rows' latencies "
+                     "carry the profiler's overhead.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -117,9 +120,9 @@ def sequence_lengths(length: int, batch: int) -> list[int]:
   return [length - (length * b) // (2 * batch) for b in range(batch)]
 
 
-def run(model, devices: int, key: str, length: int, batch: int, stats, contexts) -> dict:
+def run(model, devices: int, key: str, length: int, batch: int, stats, contexts, kernels: list) -> dict:
   """Builds (or reloads, for retrieval rows that differ only in decode options: the index build
-  is shared) the context and decodes it."""
+  is shared) the context and decodes it; with --trace, appends its kernel groups to `kernels`."""
   import kvjax
   import results_io
   from kvjax import synthetic
@@ -138,7 +141,15 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts)
                                        policy_options=options, seed=length + batch)
 
   context, prefill_total = contexts.get(model, name, options, (devices, length, batch), build)
-  result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
+  trace = {}
+  if FLAGS.trace:
+    import gpu_trace
+    tracer = gpu_trace.StepTracer(first=1)
+    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=tracer.on_step)
+    trace, groups = gpu_trace.kernel_table(tracer.events(), tracer.steps, FLAGS.trace)
+    kernels += [dict(policy=key, context=length, batch=batch, **g) for g in groups]
+  else:
+    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
   steps = max(1, len(result.decode_seconds) + 1)
   callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
   row = dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy, context_kind=FLAGS.context,
@@ -146,7 +157,7 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts)
              tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
              prefill_and_index_s=round(prefill_total, 2),
              callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
-  return row | results_io.decode_fields(result)
+  return row | trace | results_io.decode_fields(result)
 
 
 def summaries(rows: list[dict]) -> list[dict]:
@@ -185,6 +196,8 @@ def main(argv):
     raise app.UsageError(f"--context=synthetic runs on one device, not --devices={FLAGS.devices}")
   # Simulated CPU devices (set before JAX starts its backends; no effect on GPUs).
   jax.config.update("jax_num_cpu_devices", max(counts))
+  if FLAGS.trace and jax.default_backend() == "cpu":
+    raise app.UsageError("--trace reads GPU kernels from a profiler trace: it needs a GPU")
   import kvjax
   import results_io
   from kvjax import synthetic
@@ -192,7 +205,7 @@ def main(argv):
 
   from context_reuse import ContextReuse
 
-  rows, contexts = [], ContextReuse()
+  rows, kernels, contexts = [], [], ContextReuse()
   for devices in counts:
     try:
       model = kvjax.load_model(FLAGS.model, dtype=FLAGS.dtype, devices=devices)
@@ -213,7 +226,7 @@ def main(argv):
       for batch in batches:
         for key in FLAGS.policies:
           try:
-            row = run(model, devices, key, length, batch, stats, contexts)
+            row = run(model, devices, key, length, batch, stats, contexts, kernels)
           except Exception as e:  # e.g. out of memory: the other cases still get measured
             row = dict(devices=devices, policy=key, context_kind=FLAGS.context, context=length, batch=batch,
                        error=f"{type(e).__name__}: {e}"[:300])
@@ -221,6 +234,11 @@ def main(argv):
           rows.append(row)
           # Written after every row: a run cut short by a time limit keeps what it measured.
           results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=summaries(rows))
+          if kernels:
+            results_io.write_results(f"{FLAGS.name}_kernels", kernels, out_dir=FLAGS.out_dir,
+                                     notes="Kernel groups by device time per decode step (profiler trace from the "
+                                           "second step on, the host work between steps included), per row of "
+                                           f"{FLAGS.name}.")
     del model
   contexts.close()
 

@@ -12,7 +12,6 @@ lose; kernel time is what better kernels could win.
 
 from __future__ import annotations
 
-import collections
 import functools
 import statistics
 import time
@@ -82,23 +81,9 @@ def main(argv):
       walls.append(time.perf_counter() - t0)
 
   events = gpu_trace.traced(traced_steps)
-  steps = FLAGS.steps
-  span_ns = max(e[2] for e in events) - min(e[1] for e in events)
-  busy = gpu_trace.busy_ns(events)
-  groups = collections.defaultdict(lambda: [0, 0.0])
-  for name, start, end in events:
-    groups[gpu_trace.kernel_group(name)][0] += 1
-    groups[gpu_trace.kernel_group(name)][1] += end - start
-  kernel_total = sum(g[1] for g in groups.values())
-  rows = [dict(kernel=name, per_step=round(count / steps, 1), us_per_step=round(ns / steps / 1e3, 1),
-               share_pct=round(100 * ns / kernel_total, 1))
-          for name, (count, ns) in sorted(groups.items(), key=lambda kv: -kv[1][1])[: FLAGS.top]]
+  trace_summary, rows = gpu_trace.kernel_table(events, FLAGS.steps, FLAGS.top)
   summary = dict(model=cfg.name, context=n, layout=FLAGS.layout, impl=FLAGS.implementation,
-                 wall_ms_median=round(1e3 * statistics.median(walls), 3),
-                 trace_span_ms_per_step=round(span_ns / steps / 1e6, 3),
-                 gpu_busy_ms_per_step=round(busy / steps / 1e6, 3),
-                 gpu_idle_ms_per_step=round((span_ns - busy) / steps / 1e6, 3),
-                 kernels_per_step=round(len(events) / steps, 1))
+                 wall_ms_median=round(1e3 * statistics.median(walls), 3), **trace_summary)
   print(summary, flush=True)
   for row in rows:
     print(row)

@@ -302,6 +302,7 @@ def decode(
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
     return_logits: bool = False,
+    on_step: Callable[[int], None] | None = None,
 ) -> GenerationResult:
   """Generates from a prefilled context, which it consumes (see PrefilledContext).
 
@@ -313,6 +314,7 @@ def decode(
     seed: PRNG seed of the sampler.
     stop_tokens: ids that end a sequence; default: the tokenizer's end-of-turn ids.
     return_logits: keep every step's logits [steps, batch, vocab] (for tests and studies).
+    on_step: called with the number of decode steps done after each one (and its host work).
   """
   if context.spent:
     raise ValueError("this context was decoded already: load it again from disk to decode it anew")
@@ -329,12 +331,12 @@ def decode(
   stop = set(int(t) for t in stop_tokens)
   try:
     return _decode(model, context, sampling, stop, max_new_tokens=max_new_tokens, seed=seed,
-                   return_logits=return_logits)
+                   return_logits=return_logits, on_step=on_step)
   finally:
     context.close()
 
 
-def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logits) -> GenerationResult:
+def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logits, on_step) -> GenerationResult:
   cfg, attention, state = model.cfg, context.policy, context.state
   context.state = None  # donated below
   batch = len(context.prompt_lengths)
@@ -371,6 +373,8 @@ def _decode(model, context, sampling, stop, *, max_new_tokens, seed, return_logi
     if return_logits:
       step_logits.append(np.asarray(logits))
     positions = positions + 1
+    if on_step is not None:
+      on_step(step + 1)
 
   texts = None
   if model.tokenizer is not None:
