@@ -554,6 +554,12 @@ class HostContext:
         return self.store.fetch_pages(seq, layer, kv_heads, page_ids, out_k=out_k, out_v=out_v,
                                       threads=threads)
 
+    def fetch_pages_many(self, groups, group_of, kv_heads, page_ids, *, out_k=None, out_v=None,
+                         threads=None):
+        """FreeKV recall over several (seq, layer) stores in one call; see KVStore.fetch_pages_many."""
+        return self.store.fetch_pages_many(groups, group_of, kv_heads, page_ids, out_k=out_k, out_v=out_v,
+                                           threads=threads)
+
     # -- persistence -------------------------------------------------------------
 
     def save(self, path, *, meta: dict | None = None) -> None:

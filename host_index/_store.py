@@ -250,6 +250,42 @@ class KVStore:
                            self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
         return outs[0], outs[1]
 
+    def fetch_pages_many(self, groups, group_of, kv_heads, page_ids, *, out_k=None, out_v=None,
+                         threads: int | None = None):
+        """fetch_pages over several (seq, layer) stores in one C call (one parallel loop over
+        every page): page i comes from store groups[group_of[i]].
+
+        Args:
+            groups: sequence of G (seq, layer) pairs.
+            group_of, kv_heads, page_ids: [P] int each.
+            out_k, out_v: as fetch_pages.
+
+        Returns:
+            (out_k, out_v), [P, page_size, D] each.
+        """
+        g = _dtypes.as_ids(group_of, "group_of", ndim=1)
+        h = _dtypes.as_ids(kv_heads, "kv_heads", ndim=1)
+        p = _dtypes.as_ids(page_ids, "page_ids", ndim=1)
+        if not g.shape == h.shape == p.shape:
+            raise ValueError(f"group_of {g.shape}, kv_heads {h.shape} and page_ids {p.shape} differ in length")
+        stores = [self.buffers(int(seq), int(layer)) for seq, layer in groups]
+        lens = np.array([n for _, _, n in stores], np.int64)
+        if g.size and (g.min() < 0 or g.max() >= len(stores)):
+            raise ValueError(f"group_of must lie in [0, {len(stores)})")
+        if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
+            raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
+        if p.size and (p.min() < 0 or np.any(p * self.page_size >= lens[g])):
+            bad = int(np.flatnonzero((p < 0) | (p * self.page_size >= lens[g]))[0])
+            raise ValueError(f"page_ids[{bad}] = {p[bad]} is not a stored page of (seq, layer) "
+                             f"{tuple(groups[g[bad]])} ({lens[g[bad]]} tokens)")
+        outs = self._out_buffers((h.size, self.page_size, self.head_dim), out_k, out_v)
+        caps = np.array([k.shape[1] for k, _, _ in stores], np.int64)
+        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        _core.gather_pages_multi([k for k, _, _ in stores], [v for _, v, _ in stores], self.code,
+                                 self.num_kv_heads, self.head_dim, self.page_size, caps, lens, g, h, p,
+                                 h.size, outs[0], outs[1], nthreads)
+        return outs[0], outs[1]
+
     def _out_buffers(self, shape, out_k, out_v) -> list:
         """[out_k, out_v] of `shape` in the storage dtype: the caller's (checked) or new."""
         dt = _dtypes.STORAGE[self.code]

@@ -190,12 +190,11 @@ class FreeKVRuntime:
     layer_of, seq_of, head_of, _ = np.nonzero(want)  # C order: grouped by (layer, seq)
     pages = fetch[want]
     update = row_update.new_update(self.buffers, pages.size, fetch.size, P * D, store.buffers(0, 0)[0].dtype)
-    bounds = np.searchsorted(layer_of * B + seq_of, np.arange(L * B + 1))
-    for group in np.flatnonzero(np.diff(bounds)):
-      layer, b = divmod(int(group), B)
-      lo, hi = bounds[group], bounds[group + 1]
-      self.context.fetch_pages(b, layer, head_of[lo:hi], pages[lo:hi], out_k=update.k[lo:hi].reshape(-1, P, D),
-                               out_v=update.v[lo:hi].reshape(-1, P, D))
+    # One C call over every (layer, seq) store: a call per store cost ~0.1 ms each.
+    groups, group_of = np.unique(layer_of * B + seq_of, return_inverse=True)
+    self.context.fetch_pages_many([(int(g) % B, int(g) // B) for g in groups], group_of, head_of, pages,
+                                  out_k=update.k[:pages.size].reshape(-1, P, D),
+                                  out_v=update.v[:pages.size].reshape(-1, P, D))
     update.dest[:pages.size] = ((layer_of * B + seq_of) * H + head_of) * pool_slots + slots[want]
     update.ids[:pages.size] = pages
     update.pad(L * B * H * pool_slots)

@@ -151,6 +151,41 @@ def test_fetch_pages():
         st.fetch_pages(0, 1, [0], [0], out_k=np.empty((1, 4, D), np.float32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fetch_pages_many_equals_slices_of_each_store(dtype):
+    st = hi.KVStore(2, 3, H, D, dtype=dtype, page_size=4)
+    stored = {}
+    for b in range(2):
+        for layer in range(3):
+            k, v = kv(9 + 4 * b + layer)  # ragged lengths, partial last pages
+            st.append(b, layer, 0, k, v)
+            stored[b, layer] = (st.keys(b, layer), st.values(b, layer))  # as stored (rounded)
+    groups = [(1, 2), (0, 0), (1, 0)]
+    group_of = np.array([0, 1, 2, 0, 2, 1])
+    heads = np.array([1, 0, 1, 0, 0, 1])
+    pages = np.array([3, 2, 0, 1, 3, 0])  # (1, 2) holds 15 tokens, (0, 0) 9, (1, 0) 13
+    out_k, out_v = st.fetch_pages_many(groups, group_of, heads, pages)
+    assert out_k.shape == (6, 4, D)
+    as_float = st._as_float
+    for i, (g, h, p) in enumerate(zip(group_of, heads, pages)):
+        ref_k, ref_v = stored[groups[g]]
+        rows = ref_k[h, 4 * p:4 * p + 4]
+        np.testing.assert_array_equal(as_float(out_k[i, :len(rows)]), rows)
+        np.testing.assert_array_equal(as_float(out_v[i, :len(rows)]), ref_v[h, 4 * p:4 * p + 4])
+        assert (out_k[i, len(rows):] == 0).all()  # past the stored length: zeros
+    with pytest.raises(ValueError, match="page_ids"):
+        st.fetch_pages_many(groups, [1], [0], [3])  # (0, 0) holds pages 0-2
+    with pytest.raises(ValueError, match="group_of"):
+        st.fetch_pages_many(groups, [3], [0], [0])
+    with pytest.raises(ValueError, match="kv_heads"):
+        st.fetch_pages_many(groups, [0], [H], [0])
+    with pytest.raises(ValueError, match="differ"):
+        st.fetch_pages_many(groups, [0, 1], [0], [0])
+    none = np.zeros(0, np.int64)
+    empty_k, _ = st.fetch_pages_many([], none, none, none)
+    assert empty_k.shape == (0, 4, D)
+
+
 def test_reserve_keeps_appends_in_place():
   store = hi.KVStore(1, 1, 2, 8, dtype="float32")
   store.reserve(0, 0, 100)

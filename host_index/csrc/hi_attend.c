@@ -202,29 +202,48 @@ int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t 
   return err;
 }
 
-int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t cap,
-                    int64_t len, int dim, int page, const int64_t *heads,
-                    const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
-                    int threads) {
+int hi_gather_pages_multi(const void *const *k, const void *const *v, const int64_t *cap,
+                          const int64_t *len, int64_t G, int dtype, int Hkv, int dim, int page,
+                          const int64_t *group, const int64_t *heads, const int64_t *page_ids,
+                          int64_t P, void *out_k, void *out_v, int threads) {
   const size_t row = (size_t)dim * hi_itemsize(dtype);
-  for (int64_t p = 0; p < P; p++)
-    if (heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < 0 || page_ids[p] * page >= len)
+  for (int64_t g = 0; g < G; g++)
+    if (len[g] < 0 || len[g] > cap[g]) return HI_EINVAL;
+  for (int64_t p = 0; p < P; p++) {
+    const int64_t g = group[p];
+    if (g < 0 || g >= G || heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < 0 ||
+        page_ids[p] * page >= len[g])
       return HI_EINVAL;
-  if (len > cap) return HI_EINVAL;
+  }
 #pragma omp parallel for schedule(static) \
     num_threads(hi_team(threads, P, P * page * (int64_t)row / 4))
   for (int64_t p = 0; p < P; p++) {
+    const int64_t g = group[p];
     const int64_t start = page_ids[p] * page;
-    const int64_t nrow = len - start < page ? len - start : page;
-    const size_t src = ((size_t)heads[p] * (size_t)cap + (size_t)start) * row;
+    const int64_t nrow = len[g] - start < page ? len[g] - start : page;
+    const size_t src = ((size_t)heads[p] * (size_t)cap[g] + (size_t)start) * row;
     char *dk = (char *)out_k + (size_t)p * page * row;
     char *dv = (char *)out_v + (size_t)p * page * row;
-    memcpy(dk, (const char *)k + src, (size_t)nrow * row);
-    memcpy(dv, (const char *)v + src, (size_t)nrow * row);
+    memcpy(dk, (const char *)k[g] + src, (size_t)nrow * row);
+    memcpy(dv, (const char *)v[g] + src, (size_t)nrow * row);
     memset(dk + nrow * row, 0, (size_t)(page - nrow) * row);
     memset(dv + nrow * row, 0, (size_t)(page - nrow) * row);
   }
   return HI_OK;
+}
+
+int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t cap,
+                    int64_t len, int dim, int page, const int64_t *heads,
+                    const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
+                    int threads) {
+  if (P == 0) return len > cap ? HI_EINVAL : HI_OK;
+  /* One group: every page reads group 0. */
+  int64_t *group = (int64_t *)calloc((size_t)P, sizeof(int64_t));
+  if (!group) return HI_ENOMEM;
+  const int err = hi_gather_pages_multi(&k, &v, &cap, &len, 1, dtype, Hkv, dim, page, group,
+                                        heads, page_ids, P, out_k, out_v, threads);
+  free(group);
+  return err;
 }
 
 int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,

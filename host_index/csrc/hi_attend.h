@@ -49,6 +49,15 @@ int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t ca
                     const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
                     int threads);
 
+/* hi_gather_pages over G stores: page p reads head heads[p] of k[group[p]] / v[group[p]]
+ * ([Hkv, cap[g], dim], len[g] rows stored). One parallel loop over all pages, so a step's
+ * recall from every (sequence, layer) costs one call. Any group, head or page out of
+ * range is HI_EINVAL (nothing copied). */
+int hi_gather_pages_multi(const void *const *k, const void *const *v, const int64_t *cap,
+                          const int64_t *len, int64_t G, int dtype, int Hkv, int dim, int page,
+                          const int64_t *group, const int64_t *heads, const int64_t *page_ids,
+                          int64_t P, void *out_k, void *out_v, int threads);
+
 /* out_k[t], out_v[t] ([dim] each, t < T) = row ids[t] of head heads[t] of k / v
  * ([Hkv, cap, dim] in one dtype); rows with ids[t] == -1 are zero-filled. Any
  * other id outside [0, len) or head outside [0, Hkv) is HI_EINVAL (nothing copied). */

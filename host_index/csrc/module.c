@@ -830,6 +830,69 @@ static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* gather_pages_multi(ks, vs, dtype, Hkv, dim, page, caps, lens, group, heads, page_ids, P,
+ * out_k, out_v, threads): ks, vs sequences of G stores [Hkv, caps[g], dim]. */
+static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *kso, *vso, *co, *lo, *go, *ho, *po, *oko, *ovo;
+  int dtype, Hkv, dim, page, threads;
+  Py_ssize_t P;
+  if (!PyArg_ParseTuple(args, "OOiiiiOOOOOnOOi", &kso, &vso, &dtype, &Hkv, &dim, &page, &co, &lo,
+                        &go, &ho, &po, &P, &oko, &ovo, &threads) ||
+      check_dtype(dtype) < 0)
+    return NULL;
+  PyObject *ks = PySequence_Fast(kso, "gather_pages_multi: ks must be a sequence");
+  PyObject *vs = ks ? PySequence_Fast(vso, "gather_pages_multi: vs must be a sequence") : NULL;
+  if (!vs) {
+    Py_XDECREF(ks);
+    return NULL;
+  }
+  const Py_ssize_t G = PySequence_Fast_GET_SIZE(ks);
+  const Py_ssize_t isz = (Py_ssize_t)hi_itemsize(dtype);
+  if (G != PySequence_Fast_GET_SIZE(vs) || Hkv < 1 || dim < 1 || page < 1 || P < 0) {
+    PyErr_SetString(PyExc_ValueError, "gather_pages_multi: bad sizes");
+    Py_DECREF(ks);
+    Py_DECREF(vs);
+    return NULL;
+  }
+  Py_buffer ib[7];
+  PyObject *iobjs[7] = {co, lo, go, ho, po, oko, ovo};
+  const Py_ssize_t ineed[7] = {G * 8, G * 8, P * 8, P * 8, P * 8, P * page * dim * isz,
+                               P * page * dim * isz};
+  const int ni = get_bufs(iobjs, ineed, 7, 5, ib, "gather_pages_multi");
+  Py_buffer *sb = ni == 7 ? (Py_buffer *)PyMem_Calloc((size_t)(2 * G + 1), sizeof(Py_buffer)) : NULL;
+  const void **kp = sb ? (const void **)PyMem_Calloc((size_t)(2 * G + 1), sizeof(void *)) : NULL;
+  Py_ssize_t ns = 0;
+  int err = HI_OK, ok = kp != NULL;
+  if (ni == 7 && !ok) PyErr_NoMemory();
+  const int64_t *caps = ni == 7 ? (const int64_t *)ib[0].buf : NULL;
+  for (Py_ssize_t g = 0; ok && g < 2 * G; g++) {
+    PyObject *o = g < G ? PySequence_Fast_GET_ITEM(ks, g) : PySequence_Fast_GET_ITEM(vs, g - G);
+    const int64_t c = caps[g % G];
+    if (c < 0 || get_buf(o, &sb[ns], 0, Hkv * (Py_ssize_t)c * dim * isz, "gather_pages_multi store") < 0) {
+      if (c < 0) PyErr_SetString(PyExc_ValueError, "gather_pages_multi: negative capacity");
+      ok = 0;
+      break;
+    }
+    kp[g] = sb[ns++].buf;
+  }
+  if (ok) {
+    Py_BEGIN_ALLOW_THREADS err = hi_gather_pages_multi(
+        kp, kp + G, caps, (const int64_t *)ib[1].buf, G, dtype, Hkv, dim, page,
+        (const int64_t *)ib[2].buf, (const int64_t *)ib[3].buf, (const int64_t *)ib[4].buf, P,
+        ib[5].buf, ib[6].buf, threads);
+    Py_END_ALLOW_THREADS
+  }
+  for (Py_ssize_t i = 0; i < ns; i++) PyBuffer_Release(&sb[i]);
+  for (int i = 0; i < ni; i++) PyBuffer_Release(&ib[i]);
+  PyMem_Free(sb);
+  PyMem_Free(kp);
+  Py_DECREF(ks);
+  Py_DECREF(vs);
+  if (!ok || ni < 7 || raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 /* gather_rows(k, v, dtype, Hkv, cap, len, dim, heads, ids, T, out_k, out_v, threads) */
 static PyObject *py_gather_rows(PyObject *mod, PyObject *args) {
   (void)mod;
@@ -926,6 +989,7 @@ static PyMethodDef module_methods[] = {
     {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
     {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
+    {"gather_pages_multi", py_gather_pages_multi, METH_VARARGS, "Copy K/V pages of several stores."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
