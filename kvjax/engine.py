@@ -9,7 +9,9 @@ command buffer, so an unrolled step becomes dozens of small graphs between them,
 those cost more than plain kernel launches: on the H200 a Llama-3-8B-shaped step at 128K took
 12.7 ms with command buffers and 10.5 ms without; under `lax.scan` (one while loop) they help
 instead (SmolLM2 at 32K: 2.8 vs 6.1 ms), so stacked layers keep XLA's default
-(experiments/results/command_buffers/README.md).
+(experiments/results/command_buffers/README.md). A policy whose step is launch-bound
+(`AttentionPolicy.launch_bound_step`: ~60 small kernels per layer, each launch ~10-14 µs of
+host time against a few µs of device work) keeps command buffers on unrolled layers too.
 """
 
 from __future__ import annotations
@@ -28,16 +30,17 @@ from models.decoder import decoder_layer, embed, final_norm, logits_from_hidden
 _NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def _jit_by_layout(fn, **jit_kwargs):
-  """`fn` jitted twice, XLA defaults for stacked layers and command buffers off for unrolled
-  ones; calls dispatch on the type of params["layers"] (first argument)."""
-  stacked = jax.jit(fn, **jit_kwargs)
+def _jit_by_layout(fn, *, decode: bool = False, **jit_kwargs):
+  """`fn` jitted with XLA defaults for stacked layers (or, for a `decode` step, a launch-bound
+  policy) and with command buffers off otherwise; calls dispatch on the type of
+  params["layers"] (first argument) and on the `policy` keyword."""
+  defaults = jax.jit(fn, **jit_kwargs)
   unrolled = jax.jit(fn, compiler_options=_NO_COMMAND_BUFFERS, **jit_kwargs)
 
   @functools.wraps(fn)
   def call(params, *args, **kwargs):
-    jitted = unrolled if isinstance(params["layers"], (list, tuple)) else stacked
-    return jitted(params, *args, **kwargs)
+    plain = isinstance(params["layers"], (list, tuple)) and not (decode and kwargs["policy"].launch_bound_step)
+    return (unrolled if plain else defaults)(params, *args, **kwargs)
 
   return call
 
@@ -141,4 +144,5 @@ def decode_step(
   return sample(logits, key, sampling), logits, state
 
 
-decode_step = _jit_by_layout(decode_step, static_argnames=("cfg", "policy", "sampling"), donate_argnames=("state",))
+decode_step = _jit_by_layout(decode_step, decode=True, static_argnames=("cfg", "policy", "sampling"),
+                             donate_argnames=("state",))
