@@ -42,6 +42,7 @@ POLICIES = {
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
+    "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")

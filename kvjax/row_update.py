@@ -72,7 +72,7 @@ class StepBuffers:
 
   With `reuse` one buffer (of the largest update) serves every step: the caller's copy to the
   device of one step's update must be complete before the next update is packed (`to_device`
-  blocks until it is). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the
+  with `wait`, or an ordering that implies it: see freekv's exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the
   dev box); the CPU backend may alias host memory, so by default only other backends reuse."""
 
   def __init__(self):
@@ -95,31 +95,36 @@ def new_update(buffers: StepBuffers, count: int, most: int, width: int, dtype) -
   return RowUpdate(packed, size=size, count=count, width=width, dtype=np.dtype(dtype))
 
 
-def to_device(packed: np.ndarray, device, transfer: str):
-  """Copies `packed` to `device` and waits for the copy (the host buffer may be rewritten
-  next). transfer "pinned" stages it in page-locked host memory first (a host memcpy; the DMA
-  from there runs at ~46 GB/s on the H200 machine, against ~6.7 GB/s from pageable memory). For
-  freekv's ~20 MB updates the two took the same median time per step, and pinned cost ~1.3 s
-  more over a 24-step run (experiments/results/bench_scale_8b_synthetic_128k_step_b1_static.md),
-  so the policies default to "pageable"."""
+def to_device(packed: np.ndarray, device, transfer: str, *, wait: bool = True):
+  """Copies `packed` to `device`; with `wait`, returns once the copy is complete (the host
+  buffer may then be rewritten). Without it the copy (PjRt stages the host buffer on a worker
+  thread, then DMAs) overlaps what the caller does next; the caller must not rewrite `packed`
+  before something that consumed the device copy has finished. transfer "pinned" stages it in
+  page-locked host memory first (a host memcpy; the DMA from there runs at ~46 GB/s on the H200
+  machine, against ~6.7 GB/s from pageable memory). For freekv's ~20 MB updates the two took the
+  same median time per step, and pinned cost ~1.3 s more over a 24-step run
+  (experiments/results/bench_scale_8b_synthetic_128k_step_b1_static.md), so the policies default
+  to "pageable"."""
   if transfer not in TRANSFERS:
     raise ValueError(f"transfer={transfer!r}; expected one of {TRANSFERS}")
   on_device = jax.sharding.SingleDeviceSharding(device)
   if transfer == "pinned":
     packed = jax.device_put(packed, on_device.with_memory_kind("pinned_host"))
-  return jax.block_until_ready(jax.device_put(packed, on_device))
+  out = jax.device_put(packed, on_device)
+  return jax.block_until_ready(out) if wait else out
 
 
 class TransferTimer:
-  """`to_device` bound to a device and transfer mode, adding its seconds and bytes to
-  `stats.transfer_seconds` / `stats.transfer_bytes` (thread-safe enough: one caller at a time)."""
+  """`to_device` bound to a device and transfer mode, adding its seconds (the whole copy with
+  `wait`, else only what blocks the caller) and bytes to `stats.transfer_seconds` /
+  `stats.transfer_bytes` (thread-safe enough: one caller at a time)."""
 
-  def __init__(self, stats, device, transfer: str):
-    self.stats, self.device, self.transfer = stats, device, transfer
+  def __init__(self, stats, device, transfer: str, *, wait: bool = True):
+    self.stats, self.device, self.transfer, self.wait = stats, device, transfer, wait
 
   def __call__(self, update: RowUpdate):
     t0 = time.perf_counter()
-    out = to_device(update.packed, self.device, self.transfer)
+    out = to_device(update.packed, self.device, self.transfer, wait=self.wait)
     self.stats.transfer_seconds += time.perf_counter() - t0
     self.stats.transfer_bytes += update.packed.nbytes
     return out

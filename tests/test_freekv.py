@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import freekv_host, host_runtime
+from kvjax import freekv_host, host_runtime, row_update
 from kvjax.policies import FreeKVAttention, make_policy
 from kvjax.policies import freekv as freekv_policy
 from kvjax.policies.freekv import page_scores, plan_recall, top_pages
@@ -174,6 +174,7 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(bridge="per_token"), "bridge='per_token'"),
     (dict(bridge="per_step", speculative=False), "needs speculative=True"),
     (dict(transfer="dma"), "transfer='dma'"),
+    (dict(sync_transfer="yes"), "sync_transfer='yes'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -225,10 +226,14 @@ def exchange_log(monkeypatch):
   return log
 
 
-@pytest.mark.parametrize("transfer", ["pinned", "pageable"])
-def test_per_step_equals_full_when_budget_covers_the_context(transfer, exchange_log):
+@pytest.mark.parametrize("transfer, sync, reuse", [("pinned", True, False), ("pageable", False, False),
+                                                  ("pageable", False, True)])
+def test_per_step_equals_full_when_budget_covers_the_context(transfer, sync, reuse, exchange_log, monkeypatch):
+  if reuse:  # as on a GPU: one packed host buffer rewritten every step, copies not waited for
+    init = row_update.StepBuffers.__init__
+    monkeypatch.setattr(row_update.StepBuffers, "__init__", lambda self: (init(self), setattr(self, "reuse", True))[0])
   full = full_run()
-  sparse = run(budget=COVERING, bridge="per_step", transfer=transfer, dense_layers=(0,))
+  sparse = run(budget=COVERING, bridge="per_step", transfer=transfer, sync_transfer=sync, dense_layers=(0,))
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   assert sparse.tokens == full.tokens
   decode_steps = STEPS - 1

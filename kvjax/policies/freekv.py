@@ -311,6 +311,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       per_step bridge" in the module docstring; needs speculative=True).
     transfer: per_step only: how the recalled pages reach the device, "pageable" or "pinned"
       (kvjax.row_update.to_device).
+    sync_transfer: per_step only: wait for each exchange's copy to land before the next step is
+      launched (the stats then time the copy alone); by default it overlaps that launch.
     dense_layers: layers attended densely on the device (sliding-window layers always are).
     implementation: device kernels, "auto" | "pallas" | "xla".
   """
@@ -326,8 +328,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   implementation: str = "auto"
   bridge: str = "per_layer"
   transfer: str = "pageable"
+  sync_transfer: bool = False
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "implementation", "transfer")
+  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer")
   takes_written_prompt = True
   reads_prompt_queries = True  # the prompt's last query (prev_q)
 
@@ -363,6 +366,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
     if self.bridge == "per_step" and not self.speculative:
       raise ValueError("bridge='per_step' needs speculative=True: every step attends pages recalled before it")
+    if not isinstance(self.sync_transfer, (bool, np.bool_)):
+      raise ValueError(f"sync_transfer={self.sync_transfer!r} must be a bool")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
 
@@ -521,7 +526,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                            state.step_slots, state.step_counters))  # the copies start together
     update = runtime.exchange(*step, pool_slots=self.n_sel)
     device = next(iter(state.pool_k.devices()))
-    packed = row_update.TransferTimer(runtime.stats, device, self.transfer)(update)
+    # Without sync_transfer the copy overlaps the next step's launch. Reusing the packed host
+    # buffer stays safe: the next exchange packs into it only after reading the next step's
+    # outputs, and that step ran after the scatter that consumed this copy.
+    packed = row_update.TransferTimer(runtime.stats, device, self.transfer, wait=self.sync_transfer)(update)
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
     runtime.stats.exchange_seconds += time.perf_counter() - t0
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
