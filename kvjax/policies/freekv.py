@@ -67,6 +67,13 @@ step): `correct` only counts the heads per_layer would correct, and `missed` cou
 selection wanted that were not resident when its step attended (the one-step lag's cost). A
 priming exchange after prefill recalls the first selection, made with the prompt's last query.
 
+Where per_step's time goes (H200, 8B shapes, experiments/results/bench_compile_modes_8b_8k.md and
+bench_scale_8b_synthetic_128k_step_cb.md). Its step runs ~57 small kernels per sparse layer, so
+with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GPU's work: the
+policy is `launch_bound_step`, and kvjax.engine keeps XLA's command buffers for it (24.6 -> 17.8
+ms at 8K, batch 1). The exchange gathers every page in one C call (`fetch_pages_many`) and does
+not wait for its copy: the copy overlaps the next step's launch (`sync_transfer` waits).
+
 Not done: host threads preparing the next recall while the device computes (a lag-2 variant as
 retrieval's); a pool only for the sparse layers (pools and summaries exist for every layer, dense
 ones unused).
