@@ -150,6 +150,11 @@ class HostContext:
         """
         return self.store.append(seq, layer, start, keys, values, threads=threads)
 
+    def append_tokens(self, seqs, layers, starts, keys, values) -> int:
+        """One token into each of several (seq, layer) stores, without indexing it; see
+        KVStore.append_tokens."""
+        return self.store.append_tokens(seqs, layers, starts, keys, values)
+
     def build_layer(self, layer: int, *, seqs=None, train_queries=None, train_topk=None,
                     threads: int | None = None) -> None:
         """(Re)builds every index of one layer over all stored tokens.

@@ -206,6 +206,66 @@ class KVStore:
             self._len[seq, layer] = length + new
             return new
 
+    def append_tokens(self, seqs, layers, starts, keys, values) -> int:
+        """`append` of one token to each of T distinct (seq, layer) stores, validated and
+        converted in one pass: a decode step's evicted tokens over every layer and sequence.
+
+        Args:
+            seqs, layers, starts: [T] int: store (seqs[t], layers[t]) takes its token at store
+                index starts[t] (skipped if stored already; a gap is an error).
+            keys, values: [T, Hkv, D] float32/float16/bfloat16, finite.
+
+        Returns:
+            The number of new tokens stored. Everything is checked before anything is
+            written, except that a store growth refused by max_bytes (StoreFullError) leaves
+            the tokens of earlier stores in the call written.
+        """
+        s = _dtypes.as_ids(seqs, "seqs", ndim=1)
+        l = _dtypes.as_ids(layers, "layers", ndim=1)
+        t = _dtypes.as_ids(starts, "starts", ndim=1)
+        k, kc = _dtypes.as_c_array(keys, "keys", ndim=3)
+        v, vc = _dtypes.as_c_array(values, "values", ndim=3)
+        T = s.size
+        want = (T, self.num_kv_heads, self.head_dim)
+        if not (l.size == t.size == T and k.shape == want and v.shape == want):
+            raise ValueError(f"seqs {s.shape}, layers {l.shape}, starts {t.shape}, keys {k.shape} and values "
+                             f"{v.shape} must be [T] x3 and [T, num_kv_heads, head_dim] = {want}")
+        if T and (s.min() < 0 or s.max() >= self.num_seqs or l.min() < 0 or l.max() >= self.num_layers):
+            raise ValueError(f"seqs must lie in [0, {self.num_seqs}) and layers in [0, {self.num_layers})")
+        if T and t.min() < 0:
+            raise ValueError(f"starts must be >= 0, got {t.min()}")
+        flat = s * self.num_layers + l
+        if np.unique(flat).size != T:
+            raise ValueError("append_tokens: the (seq, layer) pairs must be distinct")
+        total = T * self.num_kv_heads * self.head_dim
+        converted = []
+        for name, a, c in (("keys", k, kc), ("values", v, vc)):
+            if _core.count_bad(a, c, self.code, total):
+                raise ValueError(f"{name}: contains NaN/inf or values out of {self.dtype} range")
+            out = np.empty(want, _dtypes.STORAGE[self.code])
+            _core.convert(a, c, 0, total, out, self.code, 0, total, 1, total, 0)
+            converted.append(out)
+        with self._lock:
+            lengths = self._len[s, l]
+            gap = np.flatnonzero(t > lengths)
+            if gap.size:
+                i = int(gap[0])
+                raise ValueError(f"starts[{i}]={t[i]} leaves a gap after the {lengths[i]} stored tokens of "
+                                 f"seq={s[i]} layer={l[i]}")
+            new = np.flatnonzero(t == lengths)  # the others are stored already
+            for i in new:
+                seq, layer, at = int(s[i]), int(l[i]), int(lengths[i])
+                cap = self._k[seq][layer].shape[1]
+                if at + 1 > cap:
+                    try:
+                        self._grow(seq, layer, self._round(max(at + 1, cap + cap // 2)))
+                    except StoreFullError:
+                        self._grow(seq, layer, self._round(at + 1))  # amortized growth won't fit: exact
+                self._k[seq][layer][:, at] = converted[0][i]
+                self._v[seq][layer][:, at] = converted[1][i]
+                self._len[seq, layer] = at + 1
+            return int(new.size)
+
     def save(self, path, *, meta: dict | None = None) -> None:
         """Writes the store to one checksummed file, atomically (see HostContext.save)."""
         from host_index import _saveload

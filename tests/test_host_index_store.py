@@ -152,6 +152,41 @@ def test_fetch_pages():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_append_tokens_equals_one_append_per_store(dtype):
+    import ml_dtypes
+    ref = hi.KVStore(2, 3, H, D, dtype=dtype, page_size=4)
+    got = hi.KVStore(2, 3, H, D, dtype=dtype, page_size=4)
+    for st in (ref, got):
+        st.append(0, 1, 0, *kv(3))
+        st.append(1, 2, 0, *kv(4))  # grows past its first page below
+    rng = np.random.default_rng(1)
+    seqs, layers, starts = np.array([0, 1, 1, 0]), np.array([1, 2, 0, 0]), np.array([3, 4, 0, 0])
+    k = rng.normal(size=(4, H, D)).astype(ml_dtypes.bfloat16)  # as a device step hands them over
+    v = rng.normal(size=(4, H, D)).astype(ml_dtypes.bfloat16)
+    for i in range(4):
+        ref.append(int(seqs[i]), int(layers[i]), int(starts[i]), k[i][:, None], v[i][:, None])
+    assert got.append_tokens(seqs, layers, starts, k, v) == 4
+    assert got.append_tokens(seqs, layers, starts, k, v) == 0  # stored already: skipped
+    for seq in range(2):
+        for layer in range(3):
+            assert got.length(seq, layer) == ref.length(seq, layer)
+            np.testing.assert_array_equal(got.keys(seq, layer), ref.keys(seq, layer))
+            np.testing.assert_array_equal(got.values(seq, layer), ref.values(seq, layer))
+    before = got.length(0, 1)
+    with pytest.raises(ValueError, match="gap"):
+        got.append_tokens([0, 1], [1, 0], [before, 5], k[:2], v[:2])  # (1, 0) holds 1 token
+    assert got.length(0, 1) == before  # nothing written
+    with pytest.raises(ValueError, match="distinct"):
+        got.append_tokens([0, 0], [1, 1], [before, before], k[:2], v[:2])
+    bad = k[:1].astype(np.float32)
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        got.append_tokens([0], [1], [before], bad, v[:1])
+    with pytest.raises(ValueError, match="layers"):
+        got.append_tokens([0], [3], [0], k[:1], v[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fetch_pages_many_equals_slices_of_each_store(dtype):
     st = hi.KVStore(2, 3, H, D, dtype=dtype, page_size=4)
     stored = {}
