@@ -13,6 +13,7 @@ import sys
 from absl import app, flags
 
 import kvjax
+import results_io
 from kvjax import cli
 from kvjax import eval as kveval
 
@@ -90,6 +91,21 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
                                                                if r["ms_per_token"] is not None]) else None,
     })
   return out
+
+
+def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, ...], name: str, out_dir,
+                 seed: int) -> list[dict]:
+  """<name>_paired.json / .md: each policy's paired loss against `full` per cell
+  (kvjax.eval.paired), when `full` ran; returns its rows."""
+  table = kveval.compare_to_reference(rows, cell=cell, sample=sample, reference="full", seed=seed)
+  if table:
+    results_io.write_results(
+        f"{name}_paired", table, out_dir=out_dir,
+        notes="Paired loss (full's score - the policy's) per sample, mean and 95% percentile-bootstrap interval "
+              f"over the samples (seed {seed}); 'no loss > 0.02' = the interval lies below 2 points. With pass/fail "
+              "scores and no sample lost the interval is [0, 0]: read it with n. criterion_applies: full scores "
+              "above 0.5 in the cell.")
+  return table
 
 
 def heatmaps(panels: dict[str, dict[tuple, float]], *, rows: list, cols: list, row_label: str, col_label: str,

@@ -66,6 +66,8 @@ def write(model, specs, lengths, depths, records, *, partial: str) -> list[dict]
            f"early stop at the answer's sentence end: {FLAGS.early_stop}."
            + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
+  eval_common.write_paired(rows, cell=("length", "depth"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,
+                           seed=FLAGS.seed)
   if FLAGS.plot:
     panels = {spec.label: {(s["length"], s["depth"]): s["score"] for s in summary if s["policy"] == spec.label}
               for spec in specs}

@@ -99,6 +99,8 @@ def write(rows, *, tasks, labels, lengths, notes: str, model_name: str) -> list[
   summary = eval_common.summarize(rows, ("task", "policy", "length"))
   table = pivot(summary, tasks, [(label, n) for n in lengths for label in labels])
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=table)
+  eval_common.write_paired(rows, cell=("task", "length"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,
+                           seed=FLAGS.seed)
   if FLAGS.plot:
     out = pathlib.Path(FLAGS.out_dir) if FLAGS.out_dir else results_io.RESULTS_DIR
     by = {(s["task"], s["policy"], s["length"]): s["score"] for s in summary}
