@@ -35,6 +35,7 @@ from models.rope import rope_tables
 
 MODES = ("unrolled_cb_off", "unrolled_cb_on", "stacked")
 POLICIES = {"full": ("full", {}), "freekv_step": ("freekv", {"bridge": "per_step"}),
+            "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
             "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2, "index": "flat"})}
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")

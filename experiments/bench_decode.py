@@ -43,6 +43,7 @@ POLICIES = {
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
     "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
+    "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")

@@ -118,10 +118,11 @@ def main(argv):
   }
   steps = max(1, len(result.decode_seconds) + 1)
   for key, value in result.policy_stats.items():  # host-side breakdown of sparse policies
+    name = key if key.startswith("host_") else f"host_{key}"
     if key.endswith("_seconds"):
-      report[f"host_{key[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)
+      report[f"{name[:-8]}_ms_per_step"] = round(1e3 * value / steps, 3)
     elif value is not None:
-      report[f"host_{key}"] = round(value, 4) if isinstance(value, float) else value
+      report[name] = round(value, 4) if isinstance(value, float) else value
   print(f"answer: {answer!r}")
   if passkey is not None:
     found = passkey in answer

@@ -16,6 +16,7 @@ program (an error raises there), and packs the pages into one kvjax.row_update.R
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 import traceback
@@ -72,6 +73,7 @@ class FreeKVStats:
   fetch_seconds: float = 0.0
   callback_seconds: float = 0.0
   exchange_seconds: float = 0.0
+  exchange_wait_seconds: float = 0.0  # lag 2: the decode loop waiting for the host thread's exchange
   transfer_seconds: float = 0.0
 
   def as_dict(self) -> dict:
@@ -82,7 +84,7 @@ class FreeKVRuntime:
   """One run's host page store, recall settings, counters and error log."""
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int,
-               sparse_layers: int):
+               sparse_layers: int, step_buffers: int = 1):
     """Wraps `context` and registers the runtime.
 
     Args:
@@ -92,17 +94,35 @@ class FreeKVRuntime:
       sync_recall: how many leading entries of each fetch list are recalled before attention
         (the rest prepare the next step); only used to split the counters.
       sparse_layers: layers that call back each step (turns callbacks into steps).
+      step_buffers: packed host buffers the per_step exchanges rotate through (2 when one
+        exchange runs while the previous one's copy may still be in flight: lag 2).
     """
     self.context = context
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
     self.stats = FreeKVStats()
-    self.buffers = row_update.StepBuffers()
+    self.buffers = row_update.StepBuffers(step_buffers)
     self.errors: list[str] = []
+    # lag 2: the exchange running on the host thread (a Future of its packed device update).
+    self.pending: concurrent.futures.Future | None = None
+    self._worker: concurrent.futures.ThreadPoolExecutor | None = None
     self.id = host_runtime.register(self)
+
+  def worker(self) -> concurrent.futures.ThreadPoolExecutor:
+    """The one host thread lag-2 exchanges run on (in order)."""
+    if self._worker is None:
+      self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="freekv-exchange")
+    return self._worker
+
+  def drain(self) -> None:
+    """Waits for the pending exchange (its counters then count, whatever the thread timing)."""
+    if self.pending is not None:
+      self.pending.result()
 
   def close(self) -> None:
     host_runtime.unregister(self.id)
+    if self._worker is not None:
+      self._worker.shutdown(wait=True)
 
   def raise_errors(self) -> None:
     if self.errors:

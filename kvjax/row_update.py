@@ -68,24 +68,27 @@ def padded_size(n: int) -> int:
 
 
 class StepBuffers:
-  """The byte buffer each step's RowUpdate is packed into.
+  """The byte buffers the steps' RowUpdates are packed into, used in turn.
 
-  With `reuse` one buffer (of the largest update) serves every step: the caller's copy to the
-  device of one step's update must be complete before the next update is packed (`to_device`
-  with `wait`, or an ordering that implies it: see freekv's exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the
-  dev box); the CPU backend may alias host memory, so by default only other backends reuse."""
+  With `reuse` `count` buffers (of the largest update) serve every step in rotation: the copy
+  to the device of the update packed into a buffer must be complete before that buffer is
+  packed again (`to_device` with `wait`, or an ordering that implies it: see freekv's
+  exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box);
+  the CPU backend may alias host memory, so by default only other backends reuse."""
 
-  def __init__(self):
+  def __init__(self, count: int = 1):
     self.reuse = jax.default_backend() != "cpu"
-    self._buffer = None
+    self._buffers: list[np.ndarray | None] = [None] * count
+    self._next = 0
 
   def get(self, nbytes: int, most: int) -> np.ndarray:
     """A [nbytes] uint8 buffer (nbytes <= most)."""
     if not self.reuse:
       return np.empty(nbytes, np.uint8)
-    if self._buffer is None or self._buffer.size != most:
-      self._buffer = np.empty(most, np.uint8)
-    return self._buffer[:nbytes]
+    i, self._next = self._next, (self._next + 1) % len(self._buffers)
+    if self._buffers[i] is None or self._buffers[i].size != most:
+      self._buffers[i] = np.empty(most, np.uint8)
+    return self._buffers[i][:nbytes]
 
 
 def new_update(buffers: StepBuffers, count: int, most: int, width: int, dtype) -> RowUpdate:

@@ -14,6 +14,8 @@ CASES = [
     ("streaming", SMALL),
     ("retrieval", dict(index="roar", topk=6, **SMALL)),
     ("freekv", dict(budget=24, page_size=4, dense_layers=(), **SMALL)),
+    ("freekv", dict(budget=24, page_size=4, dense_layers=(), bridge="per_step", **SMALL)),
+    ("freekv", dict(budget=24, page_size=4, dense_layers=(), bridge="per_step", lag=2, **SMALL)),
 ]
 
 

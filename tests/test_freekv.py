@@ -175,6 +175,8 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(bridge="per_step", speculative=False), "needs speculative=True"),
     (dict(transfer="dma"), "transfer='dma'"),
     (dict(sync_transfer="yes"), "sync_transfer='yes'"),
+    (dict(lag=3, bridge="per_step"), "lag=3"),
+    (dict(lag=2), "lag=2 needs bridge='per_step'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -200,17 +202,32 @@ def test_host_error_is_raised_after_the_step(monkeypatch):
   assert set(host_runtime._RUNTIMES) == before
 
 
+class ExchangeLog:
+  """per_step exchanges seen by the spies of `exchange_log`: `fetches` has every gather's fetch
+  [L, B, Hkv, R] in order; `landed` one entry per landing: (pool ids after it, the selection it
+  recalls, its fetch, whether every resident pool page equals the host store's page). Copies:
+  the state's buffers are donated to the next step."""
+
+  def __init__(self):
+    self.fetches, self.landed, self._selections = [], [], []
+
+
 @pytest.fixture
 def exchange_log(monkeypatch):
-  """per_step: records (pool ids and selection after the exchange, fetch [L, B, Hkv, R], whether
-  every resident pool page equals the host store's page) of every exchange (copies: the state's
-  buffers are donated to the next step)."""
-  log = []
-  original = freekv_policy.FreeKVAttention._exchange
+  log = ExchangeLog()
+  policy = freekv_policy.FreeKVAttention
+  step_rows, gather, land = policy._step_rows, policy._gather, policy._land
 
-  def spy(self, state, **kwargs):
-    fetch = np.asarray(state.step_fetch)
-    after = original(self, state, **kwargs)
+  def rows_spy(state):  # once per gather, in gather order
+    log._selections.append(np.asarray(state.selection))
+    return step_rows(state)
+
+  def gather_spy(self, runtime, rows, device):
+    log.fetches.append(np.array(rows[3]))
+    return gather(self, runtime, rows, device)
+
+  def land_spy(self, state, packed):
+    after = land(self, state, packed)
     store = self.runtime(after).context  # alive only during the run
     pool_ids, pool_k, pool_v = (np.asarray(a) for a in (after.pool_ids, after.pool_k, after.pool_v))
     same = True
@@ -219,52 +236,62 @@ def exchange_log(monkeypatch):
       if heads.size:
         k, v = store.fetch_pages(b, l, heads, pool_ids[l, b, heads, slots])
         same &= np.array_equal(k, pool_k[l, b, heads, slots]) and np.array_equal(v, pool_v[l, b, heads, slots])
-    log.append(((pool_ids, np.asarray(after.selection)), fetch, same))
+    i = len(log.landed)  # landings follow gathers in order
+    log.landed.append((pool_ids, log._selections[i], log.fetches[i], same))
     return after
 
-  monkeypatch.setattr(freekv_policy.FreeKVAttention, "_exchange", spy)
+  monkeypatch.setattr(policy, "_step_rows", staticmethod(rows_spy))
+  monkeypatch.setattr(policy, "_gather", gather_spy)
+  monkeypatch.setattr(policy, "_land", land_spy)
   return log
 
 
-@pytest.mark.parametrize("transfer, sync, reuse", [("pinned", True, False), ("pageable", False, False),
-                                                  ("pageable", False, True)])
-def test_per_step_equals_full_when_budget_covers_the_context(transfer, sync, reuse, exchange_log, monkeypatch):
-  if reuse:  # as on a GPU: one packed host buffer rewritten every step, copies not waited for
+@pytest.mark.parametrize("lag, transfer, sync, reuse", [(1, "pinned", True, False), (1, "pageable", False, False),
+                                                       (1, "pageable", False, True), (2, "pageable", False, True),
+                                                       (2, "pinned", True, False)])
+def test_per_step_equals_full_when_budget_covers_the_context(lag, transfer, sync, reuse, exchange_log, monkeypatch):
+  if reuse:  # as on a GPU: packed host buffers rewritten every step, copies not waited for
     init = row_update.StepBuffers.__init__
-    monkeypatch.setattr(row_update.StepBuffers, "__init__", lambda self: (init(self), setattr(self, "reuse", True))[0])
+    monkeypatch.setattr(row_update.StepBuffers, "__init__",
+                        lambda self, *args: (init(self, *args), setattr(self, "reuse", True))[0])
   full = full_run()
-  sparse = run(budget=COVERING, bridge="per_step", transfer=transfer, sync_transfer=sync, dense_layers=(0,))
+  sparse = run(budget=COVERING, bridge="per_step", lag=lag, transfer=transfer, sync_transfer=sync, dense_layers=(0,))
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   assert sparse.tokens == full.tokens
   decode_steps = STEPS - 1
-  assert len(exchange_log) == decode_steps + 1  # one priming exchange after the prefill, one per step
+  # lag priming exchanges after the prefill, one per step; with lag 2 the last one never lands.
+  assert len(exchange_log.fetches) == decode_steps + lag
+  assert len(exchange_log.landed) == decode_steps + 1
   stats = sparse.policy_stats
   assert stats["host_callbacks"] == 0 and stats["decode_steps"] == decode_steps
   assert stats["missed_pages_per_step"] == 0 and stats["hit_rate"] == 1.0
-  # Each page is recalled once (the prompt's by the priming exchange, later ones as they complete).
+  # Each page is recalled once (the prompt's by the priming exchanges, later ones as they complete).
   S, W, P = SMALL["sinks"], SMALL["window"], SMALL["page_size"]
   for b, (n, _) in enumerate(PROMPTS):
     needed = (n + decode_steps - 1 - W - S + 1) // P  # complete after the last step's eviction
-    ids = np.concatenate([f[1, b].ravel() for _, f, _ in exchange_log])
+    ids = np.concatenate([f[1, b].ravel() for f in exchange_log.fetches])
     assert sorted(ids[ids >= 0].tolist()) == sorted(list(range(needed)) * 2), b  # 2 KV heads
   assert stats["transfer_bytes_per_step"] > 0
+  if lag == 2:
+    assert 0 <= stats["host_exchange_wait_seconds"] < stats["host_exchange_seconds"] + 1.0
 
 
-def test_per_step_recalls_every_selection_into_the_pool_with_the_stored_pages(exchange_log):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_per_step_recalls_every_selection_into_the_pool_with_the_stored_pages(lag, exchange_log):
   budget = 4 + 8 + 4 * 3  # 3 pages of 4 out of up to 17: the selection moves
-  sparse = run(budget=budget, bridge="per_step", dense_layers=())
+  sparse = run(budget=budget, bridge="per_step", lag=lag, dense_layers=())
   moved = 0
-  for (pool_ids, selection), fetch, same in exchange_log:
+  for pool_ids, selection, fetch, same in exchange_log.landed:
     assert same  # the pool holds the stored pages its ids name
     moved += int((fetch >= 0).sum())
     for l, b, h in np.ndindex(*pool_ids.shape[:3]):
       chosen = selection[l, b, h][selection[l, b, h] >= 0]
-      assert set(chosen.tolist()) <= set(pool_ids[l, b, h].tolist()), (l, b, h)  # the next step's pages are resident
-  assert moved > len(exchange_log)  # pages really move between steps
+      assert set(chosen.tolist()) <= set(pool_ids[l, b, h].tolist()), (l, b, h)  # the recalled pages are resident
+  assert moved > len(exchange_log.landed)  # pages really move between steps
   stats = sparse.policy_stats
-  assert stats["missed_pages_per_step"] > 0  # the one-step lag has a cost here, and it is counted
-  assert stats["recalled_pages_per_step"] == pytest.approx(sum(int((f >= 0).sum()) for _, f, _ in exchange_log[1:])
-                                                           / (STEPS - 1))
+  assert stats["missed_pages_per_step"] > 0  # the lag has a cost here, and it is counted
+  assert stats["recalled_pages_per_step"] == pytest.approx(
+      sum(int((f >= 0).sum()) for f in exchange_log.fetches[lag:]) / (STEPS - 1))
 
 
 @pytest.mark.parametrize("bridge", ["per_layer", "per_step"])

@@ -74,13 +74,23 @@ policy is `launch_bound_step`, and kvjax.engine keeps XLA's command buffers for 
 ms at 8K, batch 1). The exchange gathers every page in one C call (`fetch_pages_many`) and does
 not wait for its copy: the copy overlaps the next step's launch (`sync_transfer` waits).
 
-Not done: host threads preparing the next recall while the device computes (a lag-2 variant as
-retrieval's); a pool only for the sparse layers (pools and summaries exist for every layer, dense
+lag=2 (per_step): the exchange of step t's outputs runs on a host thread while step t + 1 runs,
+and lands (its scatter) before step t + 2, which attends it. The device plans slots against
+`promised_ids` (the pool once the pending exchange has landed) and attends `pool_ids` (what has
+landed); the ring keeps window + 2 pages so the page that completed at step t - 1, which no
+landed selection covers yet, is still attended from the ring. Two priming exchanges: the first
+lands before step 1, the second (over one page more) after it. Packed host buffers alternate
+(two), so a buffer is packed again only after the copy from it was consumed. Its counters are
+those of lag 1 (decide, hit, miss), plus the loop's wait for the thread (exchange_wait).
+Correct on the CPU (equals full when the budget covers the context); not measured on a GPU yet.
+
+Not done: a pool only for the sparse layers (pools and summaries exist for every layer, dense
 ones unused).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -111,6 +121,9 @@ class FreeKVState:
   pool_v: jax.Array  # [L, B, Hkv, n_sel, page_size, D]
   pool_ids: jax.Array  # [L, B, Hkv, n_sel] int32: store page in each slot, -1 empty
   selection: jax.Array  # [L, B, Hkv, n_sel] int32: pages to reuse at the next step, -1 padded
+  # per_step: the store page each slot will hold once every exchange planned so far has landed
+  # (equal to pool_ids between steps with lag 1; one exchange ahead with lag 2).
+  promised_ids: jax.Array  # [L, B, Hkv, n_sel] int32
   prev_q: jax.Array  # [L, B, Hq, D] float32: the previous step's query
   primed: jax.Array  # [L] bool: the layer has decoded a step (its selection is valid)
   dense: DenseKVCache  # [n_dense, B, Hkv, capacity, D]: every layer during prefill, dense layers after
@@ -258,6 +271,13 @@ def _prompt_summaries(
   return jnp.where(some, lo, jnp.inf).astype(k.dtype), jnp.where(some, hi, -jnp.inf).astype(k.dtype)
 
 
+def _done(value):
+  """A completed future holding `value`."""
+  future = concurrent.futures.Future()
+  future.set_result(value)
+  return future
+
+
 def _keep_last_query(
     state: FreeKVState,
     layer,  # [] int32
@@ -285,13 +305,13 @@ def _first_selection(
     scale: float,
 ):
   """Every layer's first selection and its recall plan: (selection [L, B, Hkv, n_sel],
-  fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall])."""
+  fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
+  [L, B, Hkv, n])."""
 
   def one_layer(q, hi, lo, ids):
     pooled = page_scores(q, hi, lo, num_candidates, scale=scale)
     selection = top_pages(pooled, n_sel)
-    fetch, slots, _ = plan_recall(ids, selection, pooled, max_recall)
-    return selection, fetch, slots
+    return (selection,) + plan_recall(ids, selection, pooled, max_recall)
 
   return jax.vmap(one_layer)(prev_q, kmax, kmin, pool_ids)
 
@@ -316,6 +336,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     bridge: "per_layer" (one host callback per sparse layer inside the step: synchronous
       correction) or "per_step" (one host exchange between steps, no callback: see "The
       per_step bridge" in the module docstring; needs speculative=True).
+    lag: per_step only: 1 (a step's selection is recalled before the next step) or 2 (it is
+      recalled while the next step runs, on a host thread, and attended one step later; the
+      ring keeps one more page so no page falls between ring and pool).
     transfer: per_step only: how the recalled pages reach the device, "pageable" or "pinned"
       (kvjax.row_update.to_device).
     sync_transfer: per_step only: wait for each exchange's copy to land before the next step is
@@ -334,6 +357,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   dense_layers: tuple[int, ...] = (0,)
   implementation: str = "auto"
   bridge: str = "per_layer"
+  lag: int = 1
   transfer: str = "pageable"
   sync_transfer: bool = False
   name: str = "freekv"
@@ -375,6 +399,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError("bridge='per_step' needs speculative=True: every step attends pages recalled before it")
     if not isinstance(self.sync_transfer, (bool, np.bool_)):
       raise ValueError(f"sync_transfer={self.sync_transfer!r} must be a bool")
+    if self.lag not in (1, 2) or isinstance(self.lag, bool):
+      raise ValueError(f"lag={self.lag!r}; expected 1 or 2")
+    if self.lag == 2 and self.bridge != "per_step":
+      raise ValueError("lag=2 needs bridge='per_step' (per_layer recalls inside the step)")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
 
@@ -393,10 +421,22 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def recall(self) -> int:
     return self.n_sel if self.max_recall is None else int(self.max_recall)
 
+  @property
+  def ring_len(self) -> int:
+    """Recent tokens the ring holds: the window plus `lag` pages (see `_ring_pages`)."""
+    return self.window + self.lag * self.page_size
+
+  def _ring_pages(self, pos):
+    """[B] int32: pages before the ring's attended part at position `pos` ([B]). They are those
+    complete before the eviction of the step `lag` steps back, whose selection the pool holds
+    now (lag 1: before this step's eviction)."""
+    return jnp.maximum(pos - self.lag - self.window - self.sinks + 1, 0) // self.page_size
+
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
     if self.bridge == "per_step":
-      spec += ", one host exchange per step (pages recalled between steps)"
+      spec += (", one host exchange per step (pages recalled between steps)" if self.lag == 1 else
+               ", one host exchange per step overlapping the next step (pages attended two steps after selection)")
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     return (f"freekv(budget={self.budget} tokens = sinks {self.sinks} + window {self.window} + {self.n_sel} "
             f"pages of {self.page_size}, {spec}, max_recall {self.recall}{dense})")
@@ -418,7 +458,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     num_pages = max(1, -(-(capacity - S) // P))
     context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
     runtime = self.new_runtime(cfg, context)
-    ring = (L, batch, H, S + W + P, D)
+    ring = (L, batch, H, S + self.ring_len, D)
     pages = (L, batch, H, num_pages, D)
     pool = (L, batch, H, n, P, D)
     return FreeKVState(
@@ -426,6 +466,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         kmax=jnp.full(pages, -jnp.inf, dtype), kmin=jnp.full(pages, jnp.inf, dtype),  # empty pages
         pool_k=jnp.zeros(pool, dtype), pool_v=jnp.zeros(pool, dtype),
         pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
+        promised_ids=jnp.full(pool[:4], -1, jnp.int32),
         prev_q=jnp.zeros((L, batch, Hq, D), jnp.float32), primed=jnp.zeros((L,), bool),
         dense=DenseKVCache(k=jnp.zeros((cached, batch, H, capacity, D), dtype),
                            v=jnp.zeros((cached, batch, H, capacity, D), dtype)),
@@ -444,13 +485,14 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
     return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
-                                     sparse_layers=sparse)
+                                     sparse_layers=sparse, step_buffers=self.lag)
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""
     runtime = self.runtime(state)
     if runtime is None:
       return {}
+    runtime.drain()
     s = runtime.stats
     steps = s.exchanges if self.bridge == "per_step" else s.callbacks // max(1, runtime.sparse_layers)
     per_step = lambda x: x / steps if steps else float("nan")
@@ -477,7 +519,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     S, W, P = self.sinks, self.window, self.page_size
     slot = int(self.prefill_slots(cfg, state.staged)[layer])
     k, v = state.dense.k[slot], state.dense.v[slot]  # [B, H, capacity, D]
-    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, W + P)
+    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, self.ring_len)
     state = state.replace(ring_k=set_layer(state.ring_k, layer, ring_k[0]), ring_v=set_layer(state.ring_v, layer, ring_v[0]))
     if layer in self.dense_layer_ids(cfg):
       return state  # its summaries stay zero
@@ -507,38 +549,80 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def _prime(self, cfg: ModelConfig, state: FreeKVState) -> FreeKVState:
     """per_step: selects every sparse layer's first pages with the prompt's last query and
-    recalls them, so the first decode step attends pages already resident."""
+    recalls them, so the first decode step attends pages already resident. With lag 2 a second
+    selection (over one page more) is gathered too and lands after the first step, as step t's
+    recall lands after step t + 1."""
     S, W, P = self.sinks, self.window, self.page_size
-    candidates = jnp.maximum(state.prompt_lengths - W - S, 0) // P  # as the first step's c_prev
-    selection, fetch, slots = _first_selection(state.prev_q, state.kmax, state.kmin, state.pool_ids, candidates,
-                                               n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale)
     sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(cfg.num_layers)])
-    state = state.replace(selection=jnp.where(sparse[:, None, None, None], selection, -1),
-                          step_fetch=jnp.where(sparse[:, None, None, None], fetch, -1), step_slots=slots,
-                          primed=sparse)
-    state = self._exchange(state)
-    self.runtime(state).stats = freekv_host.FreeKVStats()  # the priming exchange belongs to the prefill
+    only_sparse = lambda x: jnp.where(sparse[:, None, None, None], x, -1)
+    runtime = self.runtime(state)
+    ids = state.pool_ids
+    for i in range(self.lag):
+      candidates = self._ring_pages(state.prompt_lengths + i)  # the pool's pages at decode step i + 1
+      selection, fetch, slots, ids = _first_selection(state.prev_q, state.kmax, state.kmin, ids, candidates,
+                                                      n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale)
+      state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
+                            promised_ids=only_sparse(ids), primed=sparse)
+      packed = self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices())))
+      if i == 0:
+        state = self._land(state, packed)
+      else:
+        runtime.pending = _done(packed)
+    runtime.stats = freekv_host.FreeKVStats()  # the priming exchanges belong to the prefill
+    return state
+
+  def attach_host(self, cfg, state: FreeKVState, context) -> FreeKVState:
+    """A loaded context's runtime. With lag 2 it regathers the second priming exchange (its
+    rows are in the saved state), which a fresh runtime lacks and the first step's
+    `after_step` lands."""
+    state = super().attach_host(cfg, state, context)
+    if self.bridge == "per_step" and self.lag == 2:
+      runtime = self.runtime(state)
+      runtime.pending = _done(self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices()))))
+      runtime.stats = freekv_host.FreeKVStats()
     return state
 
   def after_step(self, cfg, state: FreeKVState) -> FreeKVState:
     self.check(state)
-    return self._exchange(state) if self.bridge == "per_step" else state
-
-  def _exchange(self, state: FreeKVState) -> FreeKVState:
-    """per_step, between steps: the host stores the evicted tokens and gathers the pages the
-    next step lacks; they are copied to the device and scattered into the pool."""
-    t0 = time.perf_counter()
+    if self.bridge != "per_step":
+      return state
     runtime = self.runtime(state)
-    step = jax.device_get((state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch,
-                           state.step_slots, state.step_counters))  # the copies start together
-    update = runtime.exchange(*step, pool_slots=self.n_sel)
+    rows = self._step_rows(state)  # read now: the next step donates these buffers
     device = next(iter(state.pool_k.devices()))
-    # Without sync_transfer the copy overlaps the next step's launch. Reusing the packed host
-    # buffer stays safe: the next exchange packs into it only after reading the next step's
-    # outputs, and that step ran after the scatter that consumed this copy.
+    if self.lag == 1:
+      return self._land(state, self._gather(runtime, rows, device))
+    # lag 2: land the previous step's exchange, then run this one's on the host thread while the
+    # next step runs (it attends the pool as landed here).
+    if runtime.pending is None:
+      raise RuntimeError("freekv lag 2: no pending exchange to land (the state was not primed by this runtime)")
+    t0 = time.perf_counter()
+    packed = runtime.pending.result()
+    runtime.stats.exchange_wait_seconds += time.perf_counter() - t0
+    state = self._land(state, packed)
+    runtime.pending = runtime.worker().submit(self._gather, runtime, rows, device)
+    return state
+
+  @staticmethod
+  def _step_rows(state: FreeKVState) -> tuple:
+    """What a step hands to the host, as NumPy arrays (the copies start together)."""
+    return jax.device_get((state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch,
+                           state.step_slots, state.step_counters))
+
+  def _gather(self, runtime: freekv_host.FreeKVRuntime, rows: tuple, device):
+    """Host side of an exchange: stores the evicted tokens, gathers the pages the plan lacks
+    and starts their copy to `device`; returns the packed update on the device."""
+    t0 = time.perf_counter()
+    update = runtime.exchange(*rows, pool_slots=self.n_sel)
+    # Without sync_transfer the copy overlaps what follows. Reusing the packed host buffer stays
+    # safe: a buffer is packed again only after a step that ran after the scatter consuming
+    # this copy (lag 1: the next exchange; lag 2, two buffers: the one after it).
     packed = row_update.TransferTimer(runtime.stats, device, self.transfer, wait=self.sync_transfer)(update)
-    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
     runtime.stats.exchange_seconds += time.perf_counter() - t0
+    return packed
+
+  def _land(self, state: FreeKVState, packed) -> FreeKVState:
+    """Scatters a packed update into the pool in place."""
+    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids)
@@ -579,7 +663,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       state: FreeKVState,
   ):
     S, W, P, n, R = self.sinks, self.window, self.page_size, self.n_sel, self.recall
-    ring_len = W + P  # recent part of the ring
+    ring_len = self.ring_len  # recent part of the ring
     B, _, Hq, D = q.shape
     H = k.shape[2]
     N = state.kmax.shape[3]
@@ -623,7 +707,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
     # Attention over the ring: two intervals of its circular recent part, the sinks joined to
     # the wrapped one.
-    local_start = S + c_prev * P
+    c_ring = self._ring_pages(pos)  # = c_prev with lag 1
+    local_start = S + c_ring * P
     count = jnp.maximum(pos + 1 - local_start, 0)
     a = (local_start - S) % ring_len
     ring1 = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
@@ -644,23 +729,26 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       # eviction) serves the next step, and what it lacks is the lag's cost (`missed`).
       pooled = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
       selection = top_pages(pooled, n)
-      fetch, fetch_slots, _ = plan_recall(pool_ids, selection, pooled, R)
+      # Slots are planned against the pool as it will be once the pending exchange has landed
+      # (lag 2: it lands after this step; the step attends what is there now, pool_ids).
+      fetch, fetch_slots, promised = plan_recall(state.promised_ids[layer], selection, pooled, R)
       slots, counts = listed_slots(pool_ids, pool_ids)
       resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
                                              scale=cfg.attn_scale, implementation=self._paged_impl())
       o, _ = ops.merge_partials([ring1, ring2, resident])
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
-      # (A page that completed in this step was attended from the ring: not missed.)
-      older = (selection >= 0) & (selection < c_prev[:, None, None])
+      # (A page past c_ring was attended from the ring: not missed.)
+      older = (selection >= 0) & (selection < c_ring[:, None, None])
       missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       # The selection and the evicted token feed only the host, not this layer's output: tie them
       # to it, or nothing orders their reads of the summaries and the ring before the next
       # layer's updates, and XLA copies both whole arrays every layer instead.
-      o, selection, fetch, fetch_slots, counters, ev_k, ev_v = jax.lax.optimization_barrier(
-          (o, selection, fetch, fetch_slots, counters, ev_k, ev_v))
+      o, selection, promised, fetch, fetch_slots, counters, ev_k, ev_v = jax.lax.optimization_barrier(
+          (o, selection, promised, fetch, fetch_slots, counters, ev_k, ev_v))
       return o[:, None], state.replace(
           selection=state.selection.at[layer].set(selection),
+          promised_ids=state.promised_ids.at[layer].set(promised),
           step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
           step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos),
           step_fetch=state.step_fetch.at[layer].set(fetch), step_slots=state.step_slots.at[layer].set(fetch_slots),
