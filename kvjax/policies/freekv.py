@@ -552,7 +552,6 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     recalls them, so the first decode step attends pages already resident. With lag 2 a second
     selection (over one page more) is gathered too and lands after the first step, as step t's
     recall lands after step t + 1."""
-    S, W, P = self.sinks, self.window, self.page_size
     sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(cfg.num_layers)])
     only_sparse = lambda x: jnp.where(sparse[:, None, None, None], x, -1)
     runtime = self.runtime(state)
