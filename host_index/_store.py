@@ -123,6 +123,19 @@ class KVStore:
         with self._lock:
             self._grow(seq, layer, self._round(_dtypes.positive_int(n, "n", allow_zero=True)))
 
+    def _make_room(self, seq: int, layer: int, n: int) -> int:
+        """Grows (seq, layer) to hold n tokens, by half its capacity at least (amortized) or,
+        where that would cross max_bytes, exactly; returns the capacity. Caller holds the lock."""
+        cap = self._k[seq][layer].shape[1]
+        if n > cap:
+            need = self._round(n)
+            try:
+                self._grow(seq, layer, self._round(max(need, cap + cap // 2)))
+            except StoreFullError:
+                self._grow(seq, layer, need)
+            cap = self._k[seq][layer].shape[1]
+        return cap
+
     def _grow(self, seq, layer, cap):
         """Reallocates (seq, layer) to capacity cap; caller holds the lock."""
         old_k, old_v = self._k[seq][layer], self._v[seq][layer]
@@ -190,15 +203,7 @@ class KVStore:
                 if _core.count_bad(part, c, self.code, self.num_kv_heads * new * self.head_dim):
                     raise ValueError(f"{name}: contains NaN/inf or values out of "
                                      f"{self.dtype} range")
-            cap = self._k[seq][layer].shape[1]
-            if length + new > cap:
-                need = self._round(length + new)
-                grown = self._round(max(need, cap + cap // 2))
-                try:
-                    self._grow(seq, layer, grown)
-                except StoreFullError:
-                    self._grow(seq, layer, need)  # amortized growth won't fit: exact
-                cap = self._k[seq][layer].shape[1]
+            cap = self._make_room(seq, layer, length + new)
             D = self.head_dim
             for a, c, dst in ((k, kc, self._k[seq][layer]), (v, vc, self._v[seq][layer])):
                 _core.convert(a, c, skip * D, n * D, dst, self.code, length * D, cap * D,
@@ -255,12 +260,7 @@ class KVStore:
             new = np.flatnonzero(t == lengths)  # the others are stored already
             for i in new:
                 seq, layer, at = int(s[i]), int(l[i]), int(lengths[i])
-                cap = self._k[seq][layer].shape[1]
-                if at + 1 > cap:
-                    try:
-                        self._grow(seq, layer, self._round(max(at + 1, cap + cap // 2)))
-                    except StoreFullError:
-                        self._grow(seq, layer, self._round(at + 1))  # amortized growth won't fit: exact
+                self._make_room(seq, layer, at + 1)
                 self._k[seq][layer][:, at] = converted[0][i]
                 self._v[seq][layer][:, at] = converted[1][i]
                 self._len[seq, layer] = at + 1
@@ -294,21 +294,9 @@ class KVStore:
             (out_k, out_v).
         """
         self._check(seq, layer)
-        h = _dtypes.as_ids(kv_heads, "kv_heads", ndim=1)
         p = _dtypes.as_ids(page_ids, "page_ids", ndim=1)
-        if h.shape != p.shape:
-            raise ValueError(f"kv_heads {h.shape} and page_ids {p.shape} differ in length")
-        K, V, n = self.buffers(seq, layer)
-        if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
-            raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
-        npages = -(-n // self.page_size)
-        if p.size and (p.min() < 0 or p.max() >= npages):
-            raise ValueError(f"page_ids must lie in [0, {npages}) for {n} stored tokens")
-        outs = self._out_buffers((h.size, self.page_size, self.head_dim), out_k, out_v)
-        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        _core.gather_pages(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
-                           self.page_size, h, p, h.size, outs[0], outs[1], nthreads)
-        return outs[0], outs[1]
+        return self.fetch_pages_many([(seq, layer)], np.zeros(p.shape, np.int64), kv_heads, p, out_k=out_k,
+                                     out_v=out_v, threads=threads)
 
     def fetch_pages_many(self, groups, group_of, kv_heads, page_ids, *, out_k=None, out_v=None,
                          threads: int | None = None):

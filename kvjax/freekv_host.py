@@ -130,13 +130,19 @@ class FreeKVRuntime:
       self.errors.clear()
       raise RuntimeError(f"freekv host callback failed: {first}")
 
-  def _insert(self, layer: int, evicted_k, evicted_v, evicted_pos) -> None:
-    """Appends each sequence's evicted token ([B, Hkv, D], position [B], -1 = none) of `layer`."""
-    for b in np.flatnonzero(evicted_pos >= 0):
-      start = int(evicted_pos[b]) - self.sinks
-      # append skips what is stored already: a repeated call is harmless.
-      self.stats.inserted_tokens += self.context.append(int(b), layer, start, evicted_k[b][:, None],
-                                                        evicted_v[b][:, None])
+  def _insert(
+      self,
+      evicted_k,  # [..., Hkv, D]: the tokens that left a window, leading axes (layer, seq) or (seq,)
+      evicted_v,  # [..., Hkv, D]
+      evicted_pos,  # [...] int: their positions, -1 = none
+      layer: int | None = None,  # the layer when the leading axes are (seq,) only
+  ) -> None:
+    """Appends every evicted token in one call (a call per token cost ~15 µs); a token stored
+    already is skipped, so a repeated call is harmless."""
+    where = np.nonzero(evicted_pos >= 0)
+    layers, seqs = where if layer is None else (np.full(where[0].size, layer), where[0])
+    self.stats.inserted_tokens += self.context.append_tokens(
+        seqs, layers, evicted_pos[where] - self.sinks, evicted_k[where], evicted_v[where])
 
   def _count(self, counters) -> None:
     """Adds [..., 5] per-head counters (decided, corrected, reused, hits, missed)."""
@@ -161,7 +167,7 @@ class FreeKVRuntime:
       pages_k, pages_v: [B, Hkv, R, page_size, D] in the storage dtype (zeros where id < 0).
     """
     t0 = time.perf_counter()
-    self._insert(layer, evicted_k, evicted_v, evicted_pos)
+    self._insert(evicted_k, evicted_v, evicted_pos, layer=layer)
     t1 = time.perf_counter()
     B, H, R = fetch_ids.shape
     store = self.context.store
@@ -200,11 +206,7 @@ class FreeKVRuntime:
     asked for into one RowUpdate of the flattened [L, B, Hkv, pool_slots] pool (a row: one
     page, [page_size * D])."""
     t0 = time.perf_counter()
-    # One call for every (layer, seq) with an evicted token (a call each cost ~15 µs); a
-    # token stored already is skipped, so a repeated exchange is harmless.
-    layers, seqs = np.nonzero(evicted_pos >= 0)
-    self.stats.inserted_tokens += self.context.append_tokens(
-        seqs, layers, evicted_pos[layers, seqs] - self.sinks, evicted_k[layers, seqs], evicted_v[layers, seqs])
+    self._insert(evicted_k, evicted_v, evicted_pos)
     t1 = time.perf_counter()
     L, B, H, _ = fetch.shape
     store = self.context.store

@@ -232,20 +232,6 @@ int hi_gather_pages_multi(const void *const *k, const void *const *v, const int6
   return HI_OK;
 }
 
-int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t cap,
-                    int64_t len, int dim, int page, const int64_t *heads,
-                    const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
-                    int threads) {
-  if (P == 0) return len > cap ? HI_EINVAL : HI_OK;
-  /* One group: every page reads group 0. */
-  int64_t *group = (int64_t *)calloc((size_t)P, sizeof(int64_t));
-  if (!group) return HI_ENOMEM;
-  const int err = hi_gather_pages_multi(&k, &v, &cap, &len, 1, dtype, Hkv, dim, page, group,
-                                        heads, page_ids, P, out_k, out_v, threads);
-  free(group);
-  return err;
-}
-
 int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,
                    int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
                    void *out_v, int threads) {

@@ -41,17 +41,10 @@ int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t 
                    const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
                    int64_t count, int threads);
 
-/* out_k[p], out_v[p] ([page, dim] each) = rows page_ids[p] * page ... + page - 1
- * of head heads[p] of k / v ([Hkv, cap, dim] in one dtype); rows at or past
- * len are zero-filled. */
-int hi_gather_pages(const void *k, const void *v, int dtype, int Hkv, int64_t cap,
-                    int64_t len, int dim, int page, const int64_t *heads,
-                    const int64_t *page_ids, int64_t P, void *out_k, void *out_v,
-                    int threads);
-
-/* hi_gather_pages over G stores: page p reads head heads[p] of k[group[p]] / v[group[p]]
- * ([Hkv, cap[g], dim], len[g] rows stored). One parallel loop over all pages, so a step's
- * recall from every (sequence, layer) costs one call. Any group, head or page out of
+/* out_k[p], out_v[p] ([page, dim] each) = rows page_ids[p] * page .. + page - 1 of head
+ * heads[p] of store g = group[p]: k[g] / v[g] ([Hkv, cap[g], dim] in one dtype, len[g] rows
+ * stored); rows at or past len[g] are zero-filled. One parallel loop over all pages, so a
+ * step's recall from every (sequence, layer) costs one call. Any group, head or page out of
  * range is HI_EINVAL (nothing copied). */
 int hi_gather_pages_multi(const void *const *k, const void *const *v, const int64_t *cap,
                           const int64_t *len, int64_t G, int dtype, int Hkv, int dim, int page,

@@ -798,38 +798,6 @@ static int get_kv_out_bufs(PyObject *objs[6], const Py_ssize_t need[6], Py_buffe
   return get_bufs(objs, need, 6, 4, b, what);
 }
 
-/* gather_pages(k, v, dtype, Hkv, cap, len, dim, page, heads, page_ids, P, out_k, out_v, threads) */
-static PyObject *py_gather_pages(PyObject *mod, PyObject *args) {
-  (void)mod;
-  PyObject *ko, *vo, *ho, *po, *oko, *ovo;
-  int dtype, Hkv, dim, page, threads;
-  Py_ssize_t cap, len, P;
-  if (!PyArg_ParseTuple(args, "OOiinniiOOnOOi", &ko, &vo, &dtype, &Hkv, &cap, &len, &dim, &page,
-                        &ho, &po, &P, &oko, &ovo, &threads) ||
-      check_dtype(dtype) < 0)
-    return NULL;
-  if (Hkv < 1 || cap < 0 || len < 0 || len > cap || dim < 1 || page < 1 || P < 0) {
-    PyErr_SetString(PyExc_ValueError, "gather_pages: bad sizes");
-    return NULL;
-  }
-  const Py_ssize_t isz = (Py_ssize_t)hi_itemsize(dtype);
-  Py_buffer b[6];
-  PyObject *objs[6] = {ko, vo, ho, po, oko, ovo};
-  const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, P * 8, P * 8,
-                              P * page * dim * isz, P * page * dim * isz};
-  const int nb = get_kv_out_bufs(objs, need, b, "gather_pages");
-  int err = HI_OK;
-  if (nb == 6) {
-    Py_BEGIN_ALLOW_THREADS err = hi_gather_pages(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
-                                                 page, b[2].buf, b[3].buf, P, b[4].buf, b[5].buf,
-                                                 threads);
-    Py_END_ALLOW_THREADS
-  }
-  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
-  if (nb < 6 || raise_err(err) < 0) return NULL;
-  Py_RETURN_NONE;
-}
-
 /* gather_pages_multi(ks, vs, dtype, Hkv, dim, page, caps, lens, group, heads, page_ids, P,
  * out_k, out_v, threads): ks, vs sequences of G stores [Hkv, caps[g], dim]. */
 static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
@@ -988,7 +956,6 @@ static PyMethodDef module_methods[] = {
     {"insert_many", py_insert_many, METH_VARARGS, "Extends several indexes, one task each."},
     {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
-    {"gather_pages", py_gather_pages, METH_VARARGS, "Copy K/V pages into out buffers."},
     {"gather_pages_multi", py_gather_pages_multi, METH_VARARGS, "Copy K/V pages of several stores."},
     {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
