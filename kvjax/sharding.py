@@ -234,6 +234,7 @@ class ShardedPolicy(AttentionPolicy):
       hidden, state = forward_hidden(
           params, tokens, positions, cfg=local, rope=rope, attention_fn=functools.partial(self.inner.attend, local),
           attention_state=state, partial_sum=lambda y: jax.lax.psum(y, HEADS))
+      state = self.inner.after_layers(local, positions, state)
       out = jax.tree_util.tree_leaves(_expand_device_fields(state))
       return hidden, [leaf for leaf, e in zip(out, empty) if not e]
 

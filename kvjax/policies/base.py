@@ -95,8 +95,19 @@ class AttentionPolicy(abc.ABC):
     """The decoder pass with this policy's attention: (hidden [batch, seq, hidden], state).
 
     kvjax.sharding.ShardedPolicy overrides it to run the pass under shard_map."""
-    return forward_hidden(params, tokens, positions, cfg=cfg, rope=rope,
-                          attention_fn=functools.partial(self.attend, cfg), attention_state=state)
+    hidden, state = forward_hidden(params, tokens, positions, cfg=cfg, rope=rope,
+                                   attention_fn=functools.partial(self.attend, cfg), attention_state=state)
+    return hidden, self.after_layers(cfg, positions, state)
+
+  def after_layers(
+      self,
+      cfg: ModelConfig,
+      positions,  # [batch, seq] int32: the pass's positions
+      state: Any,
+  ) -> Any:
+    """In-jit work after every layer of a pass has attended: bookkeeping that no layer's
+    output needs, done once for all layers instead of in each (fewer kernels per step)."""
+    return state
 
   # Lifecycle hooks, run outside jit by generate(); the defaults suit device-only policies.
 

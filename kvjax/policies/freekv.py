@@ -68,11 +68,15 @@ selection wanted that were not resident when its step attended (the one-step lag
 priming exchange after prefill recalls the first selection, made with the prompt's last query.
 
 Where per_step's time goes (H200, 8B shapes, experiments/results/bench_compile_modes_8b_8k.md and
-bench_scale_8b_synthetic_128k_step_cb.md). Its step runs ~57 small kernels per sparse layer, so
+bench_scale_8b_synthetic_128k_step_cb.md). Its step ran ~57 small kernels per sparse layer, so
 with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GPU's work: the
 policy is `launch_bound_step`, and kvjax.engine keeps XLA's command buffers for it (24.6 -> 17.8
-ms at 8K, batch 1). The exchange gathers every page in one C call (`fetch_pages_many`) and does
-not wait for its copy: the copy overlaps the next step's launch (`sync_transfer` waits).
+ms at 8K, batch 1). Since then a sparse layer only writes its ring and attends (ring and pool);
+what feeds the host alone (summaries, the next selection, its plan, the counters) is computed
+once for all layers after the last one (`after_layers`): in the CPU program of a 6-layer test
+model, 111 -> 50 operations per layer. The exchange gathers every page in one C call
+(`fetch_pages_many`) and does not wait for its copy: the copy overlaps the next step's launch
+(`sync_transfer` waits).
 
 lag=2 (per_step): the exchange of step t's outputs runs on a host thread while step t + 1 runs,
 and lands (its scatter) before step t + 2, which attends it. The device plans slots against
@@ -125,6 +129,11 @@ class FreeKVState:
   # (equal to pool_ids between steps with lag 1; one exchange ahead with lag 2).
   promised_ids: jax.Array  # [L, B, Hkv, n_sel] int32
   prev_q: jax.Array  # [L, B, Hq, D] float32: the previous step's query
+  # per_step: this step's query of each sparse layer (after_layers moves it to prev_q), and the
+  # pool's occupied slots, compact ascending, with their count (set when an exchange lands).
+  step_q: jax.Array  # [L, B, Hq, D] float32
+  pool_slots: jax.Array  # [L, B, Hkv, n_sel] int32
+  pool_counts: jax.Array  # [L, B, Hkv] int32
   primed: jax.Array  # [L] bool: the layer has decoded a step (its selection is valid)
   dense: DenseKVCache  # [n_dense, B, Hkv, capacity, D]: every layer during prefill, dense layers after
   prompt_lengths: jax.Array  # [B] int32
@@ -316,6 +325,32 @@ def _first_selection(
   return jax.vmap(one_layer)(prev_q, kmax, kmin, pool_ids)
 
 
+@jax.jit
+def _occupied_slots(
+    pool_ids,  # [L, B, Hkv, n] int32, -1 = empty
+):
+  """Every layer's occupied pool slots, compact ascending, and their counts: ([L, B, Hkv, n],
+  [L, B, Hkv]) int32 (what a per_step step attends besides the ring)."""
+  return jax.vmap(listed_slots)(pool_ids, pool_ids)
+
+
+def _needs_correction(
+    q,  # [B, Hq, D]: this step's query
+    prev_q,  # [B, Hq, D] float32: the previous step's
+    primed,  # [] bool: the layer has decoded a step
+    tau: float,
+    kv_heads: int,
+):
+  """[B, Hkv] bool: heads whose group-mean cos(q_t, q_{t-1}) is below tau (every head of an
+  unprimed layer; every head at tau 1)."""
+  B, Hq, _ = q.shape
+  q32 = q.astype(jnp.float32)
+  cos = jnp.sum(q32 * prev_q, -1) / jnp.maximum(jnp.linalg.norm(q32, axis=-1) * jnp.linalg.norm(prev_q, axis=-1),
+                                                1e-30)
+  group_cos = jnp.mean(cos.reshape(B, kv_heads, Hq // kv_heads), axis=-1)
+  return ~primed | (group_cos < tau) | (tau >= 1.0)
+
+
 # -- the policy ------------------------------------------------------------------------------
 
 
@@ -468,6 +503,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
         promised_ids=jnp.full(pool[:4], -1, jnp.int32),
         prev_q=jnp.zeros((L, batch, Hq, D), jnp.float32), primed=jnp.zeros((L,), bool),
+        step_q=jnp.zeros((L, batch, Hq, D), jnp.float32), pool_slots=jnp.zeros(pool[:4], jnp.int32),
+        pool_counts=jnp.zeros(pool[:3], jnp.int32),
         dense=DenseKVCache(k=jnp.zeros((cached, batch, H, capacity, D), dtype),
                            v=jnp.zeros((cached, batch, H, capacity, D), dtype)),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
@@ -624,7 +661,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
-    return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids)
+    pool_slots, pool_counts = _occupied_slots(pool_ids)
+    return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids, pool_slots=pool_slots,
+                         pool_counts=pool_counts)
 
   # -- attention -------------------------------------------------------------------------
 
@@ -650,6 +689,63 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     o, dense = write_and_attend(cfg, state.dense, slot, q, k, v, positions, implementation=self.implementation,
                                 window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
     return o, state.replace(dense=dense)
+
+  def after_layers(self, cfg: ModelConfig, positions, state: FreeKVState) -> FreeKVState:
+    """per_step decode: what the step hands to the host, for every sparse layer at once. The
+    token leaving each window is folded into its page's summary; q_t selects the next step's
+    pages over the pages complete after this eviction; the plan lists those the pool (as it
+    will be once the pending exchange has landed: lag 2) lacks, and the counters are taken."""
+    if not (state.decoding and self.bridge == "per_step"):
+      return state
+    S, W, P, n, R = self.sinks, self.window, self.page_size, self.n_sel, self.recall
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    N = state.kmax.shape[3]
+    pos = positions[:, 0]  # [B]
+    B = pos.shape[0]
+    b = jnp.arange(B, dtype=jnp.int32)
+    sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(L)])  # [L]
+    per_layer = lambda mask, x: mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+    # The token at p - W left every window; each layer's ring still holds it (only slot p was written).
+    ev_pos = pos - W
+    has_ev = ev_pos >= S
+    ev_slot = S + (ev_pos - S) % self.ring_len
+    ev_k = jnp.moveaxis(state.ring_k[:, b, :, ev_slot], 0, 1)  # [L, B, H, D]
+    ev_v = jnp.moveaxis(state.ring_v[:, b, :, ev_slot], 0, 1)
+    stored = sparse[:, None] & has_ev[None, :]  # [L, B]
+    ev_page = jnp.where(stored, ((ev_pos - S) // P)[None, :], N)  # N: dropped
+    at = (jnp.arange(L)[:, None], b[None, :], slice(None), ev_page)
+    kmax = state.kmax.at[at].max(ev_k, mode="drop")
+    kmin = state.kmin.at[at].min(ev_k, mode="drop")
+
+    c_now = jnp.maximum(pos - W - S + 1, 0) // P  # complete pages after this step's eviction
+    c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
+
+    def one_layer(q, prev_q, primed, hi, lo, prev_sel, pool_ids, promised):
+      pooled = page_scores(q, hi, lo, c_now, scale=cfg.attn_scale)
+      selection = top_pages(pooled, n)
+      fetch, fetch_slots, promised = plan_recall(promised, selection, pooled, R)
+      hits = jnp.sum(_member(prev_sel, selection), axis=-1)
+      # (A page past c_ring was attended from the ring: not missed.)
+      older = (selection >= 0) & (selection < c_ring[:, None, None])
+      missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
+      reused = jnp.sum(prev_sel >= 0, axis=-1)
+      # `correct` only counts the heads per_layer would correct.
+      correct = _needs_correction(q, prev_q, primed, self.tau, H)
+      counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
+      return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
+
+    selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
+        state.step_q, state.prev_q, state.primed, kmax, kmin, state.selection, state.pool_ids, state.promised_ids)
+    keep = lambda new, old: jnp.where(per_layer(sparse, new), new, old)  # dense layers keep "nothing"
+    return state.replace(
+        kmax=kmax, kmin=kmin, primed=state.primed | sparse,
+        # Swapped: prev_q takes this step's queries; step_q's stale ones are rewritten next step.
+        prev_q=state.step_q, step_q=state.prev_q,
+        selection=keep(selection, state.selection), promised_ids=keep(promised, state.promised_ids),
+        step_evicted_k=ev_k, step_evicted_v=ev_v, step_evicted_pos=jnp.where(stored, ev_pos[None, :], -1),
+        step_fetch=keep(fetch, state.step_fetch), step_slots=keep(fetch_slots, state.step_slots),
+        step_counters=keep(counters, state.step_counters))
 
   def _sparse(
       self,
@@ -677,13 +773,41 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     # the compiled CPU program, tests/test_freekv.py; the H200 step time did not change
     # measurably when this was removed).
     slot = jnp.where(pos < S, pos, S + (pos - S) % ring_len)
+    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype), mode="promise_in_bounds")
+    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype), mode="promise_in_bounds")
+
+    # Attention over the ring: two intervals of its circular recent part, the sinks joined to
+    # the wrapped one.
+    c_ring = self._ring_pages(pos)  # = c_prev with lag 1
+    local_start = S + c_ring * P
+    count = jnp.maximum(pos + 1 - local_start, 0)
+    a = (local_start - S) % ring_len
+    ring1 = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
+                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
+    ring2 = ops.partial_attention(q0, ring_k, ring_v,
+                                  jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
+                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
+    state = state.replace(ring_k=ring_k, ring_v=ring_v)
+
+    if self.bridge == "per_step":
+      # No correction (it would need the host inside the step): every head attends its whole
+      # pool, the previous step's selection (recalled between steps) and, where that had fewer
+      # than n_sel pages, older resident ones. Everything else (the evicted token, the
+      # summaries, the next step's selection and its recall plan, the counters) feeds only the
+      # host, so `after_layers` does it once for all layers: done here it cost ~35 small kernels
+      # per layer, and the step was launch-bound.
+      resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, state.pool_slots[layer],
+                                             state.pool_counts[layer], layer=layer, scale=cfg.attn_scale,
+                                             implementation=self._paged_impl())
+      o, _ = ops.merge_partials([ring1, ring2, resident])
+      return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
+
     ev_pos = pos - W
     has_ev = ev_pos >= S
     ev_slot = S + (ev_pos - S) % ring_len
-    ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype), mode="promise_in_bounds")
-    ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype), mode="promise_in_bounds")
     ev_k = ring_k[layer, b, :, ev_slot]  # [B, H, D] (unused where has_ev is false)
     ev_v = ring_v[layer, b, :, ev_slot]
+    evicted_pos = jnp.where(has_ev, ev_pos, -1)
 
     # Fold the evicted key into its page's min/max (a running summary; the page becomes a
     # candidate once complete). Empty pages hold (+inf, -inf): a scatter-min/max needs no read.
@@ -699,59 +823,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     reused = jnp.broadcast_to(jnp.sum(prev_sel >= 0, axis=-1), (B, H))
     correct = jnp.ones((B, H), bool)
     if self.speculative:
-      q32, p32 = q0.astype(jnp.float32), state.prev_q[layer]
-      cos = jnp.sum(q32 * p32, -1) / jnp.maximum(jnp.linalg.norm(q32, axis=-1) * jnp.linalg.norm(p32, axis=-1), 1e-30)
-      group_cos = jnp.mean(cos.reshape(B, H, Hq // H), axis=-1)  # [B, H]
-      correct = ~primed | (group_cos < self.tau) | (self.tau >= 1.0)
-
-    # Attention over the ring: two intervals of its circular recent part, the sinks joined to
-    # the wrapped one.
-    c_ring = self._ring_pages(pos)  # = c_prev with lag 1
-    local_start = S + c_ring * P
-    count = jnp.maximum(pos + 1 - local_start, 0)
-    a = (local_start - S) % ring_len
-    ring1 = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
-                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
-    ring2 = ops.partial_attention(q0, ring_k, ring_v,
-                                  jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
-                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
-    evicted_pos = jnp.where(has_ev, ev_pos, -1)
-    state = state.replace(ring_k=ring_k, ring_v=ring_v, kmax=kmax, kmin=kmin,
-                          prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
+      correct = _needs_correction(q0, state.prev_q[layer], primed, self.tau, H)
+    state = state.replace(kmax=kmax, kmin=kmin, prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
                           primed=state.primed.at[layer].set(True))
-
-    if self.bridge == "per_step":
-      # No correction (it would need the host inside the step): every head attends its whole
-      # pool, the previous step's selection (recalled between steps) and, where that had fewer
-      # than n_sel pages, older resident ones; `correct` only counts the heads per_layer would
-      # correct. The one selection made here (q_t over the pages complete after this step's
-      # eviction) serves the next step, and what it lacks is the lag's cost (`missed`).
-      pooled = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
-      selection = top_pages(pooled, n)
-      # Slots are planned against the pool as it will be once the pending exchange has landed
-      # (lag 2: it lands after this step; the step attends what is there now, pool_ids).
-      fetch, fetch_slots, promised = plan_recall(state.promised_ids[layer], selection, pooled, R)
-      slots, counts = listed_slots(pool_ids, pool_ids)
-      resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
-                                             scale=cfg.attn_scale, implementation=self._paged_impl())
-      o, _ = ops.merge_partials([ring1, ring2, resident])
-      hits = jnp.sum(_member(prev_sel, selection), axis=-1)
-      # (A page past c_ring was attended from the ring: not missed.)
-      older = (selection >= 0) & (selection < c_ring[:, None, None])
-      missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
-      counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
-      # The selection and the evicted token feed only the host, not this layer's output: tie them
-      # to it, or nothing orders their reads of the summaries and the ring before the next
-      # layer's updates, and XLA copies both whole arrays every layer instead.
-      o, selection, promised, fetch, fetch_slots, counters, ev_k, ev_v = jax.lax.optimization_barrier(
-          (o, selection, promised, fetch, fetch_slots, counters, ev_k, ev_v))
-      return o[:, None], state.replace(
-          selection=state.selection.at[layer].set(selection),
-          promised_ids=state.promised_ids.at[layer].set(promised),
-          step_evicted_k=state.step_evicted_k.at[layer].set(ev_k), step_evicted_v=state.step_evicted_v.at[layer].set(ev_v),
-          step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos),
-          step_fetch=state.step_fetch.at[layer].set(fetch), step_slots=state.step_slots.at[layer].set(fetch_slots),
-          step_counters=state.step_counters.at[layer].set(counters.astype(jnp.int32)))
 
     pooled_now = page_scores(q0, kmax[layer], kmin[layer], c_prev, scale=cfg.attn_scale)
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
