@@ -43,12 +43,15 @@ def stamp() -> dict:
 
 
 def decode_fields(result) -> dict:
-  """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step) and
-  its two parts (the jitted step up to its token, the host work between steps), state bytes,
+  """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step; also
+  the mean and the slowest step) and its two parts (the jitted step up to its token, the host work between steps), state bytes,
   and the policy's counters (seconds as ms per step, means over the steps)."""
   steps = max(1, len(result.decode_seconds) + 1)
   row = dict(decode_ms=round(result.ms_per_token, 3), state_bytes=result.kv_bytes,
              peak_device_bytes=result.peak_device_bytes)
+  if result.decode_seconds:  # a median hides spikes (a host thread running late, a store growing)
+    row["decode_ms_mean"] = round(1e3 * float(np.mean(result.decode_seconds)), 3)
+    row["decode_ms_max"] = round(1e3 * float(np.max(result.decode_seconds)), 3)
   if result.after_step_seconds:
     row["jitted_step_ms"] = round(1e3 * float(np.median(np.subtract(result.decode_seconds, result.after_step_seconds))), 3)
     row["after_step_ms"] = round(1e3 * float(np.median(result.after_step_seconds)), 3)

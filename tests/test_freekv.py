@@ -326,3 +326,56 @@ def test_unrolled_decode_step_updates_rings_and_summaries_in_place(bridge):
       assert tuple(getattr(state, name).shape) not in copied, name
   finally:
     context.close()
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_per_step_bookkeeping_after_the_last_layer_matches_a_per_layer_reference(lag):
+  """after_layers does every sparse layer's host-facing work at once: the evicted token folded
+  into its page's min/max, q_t's selection over the pages complete after the eviction, and the
+  recall plan against the promised pool (lag 2: one exchange ahead of the landed one). Checked per layer against the module's own per-layer
+  functions; the dense layer's rows and summaries stay untouched."""
+  import jax
+
+  from kvjax import engine
+  from kvjax.sampling import SamplingConfig
+  from models.rope import rope_tables
+
+  model = tiny_model("llama")
+  options = SMALL | dict(budget=4 + 8 + 4 * 3, bridge="per_step", dense_layers=(0,), lag=lag)
+  n = 56  # lag 2's two priming selections differ by one candidate page (10 and 11 complete pages)
+  context = kvjax.prefill(model, [random_prompt(n)], max_new_tokens=4, policy="freekv", policy_options=options)
+  try:
+    policy, cfg = context.policy, model.cfg
+    before = jax.tree.map(np.asarray, context.state)
+    rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))
+    _, _, state = engine.decode_step(model.params, rope, jnp.zeros((1,), jnp.int32), jnp.asarray([n], jnp.int32),
+                                     context.state, jax.random.key(0), cfg=cfg, policy=policy,
+                                     sampling=SamplingConfig())
+    after = jax.tree.map(np.asarray, state)
+    S, W, P = SMALL["sinks"], SMALL["window"], SMALL["page_size"]
+    ev_pos = n - W  # the token leaving the window at position n
+    ev_slot = S + (ev_pos - S) % policy.ring_len
+    page = (ev_pos - S) // P
+    c_now = jnp.asarray([(n - W - S + 1) // P], jnp.int32)
+    for l in range(cfg.num_layers):
+      if l == 0:  # dense: nothing for the host, summaries as they were
+        assert (after.step_evicted_pos[l] == -1).all() and (after.step_fetch[l] == -1).all()
+        assert (after.selection[l] == before.selection[l]).all()
+        np.testing.assert_array_equal(after.kmax[l], before.kmax[l])
+        continue
+      ev_k = after.ring_k[l, 0, :, ev_slot]  # [Hkv, D]
+      assert after.step_evicted_pos[l, 0] == ev_pos
+      np.testing.assert_array_equal(after.step_evicted_k[l, 0], ev_k)
+      np.testing.assert_array_equal(after.kmax[l, 0, :, page], np.maximum(before.kmax[l, 0, :, page], ev_k))
+      np.testing.assert_array_equal(after.kmin[l, 0, :, page], np.minimum(before.kmin[l, 0, :, page], ev_k))
+      pooled = page_scores(jnp.asarray(after.prev_q[l]), jnp.asarray(after.kmax[l]), jnp.asarray(after.kmin[l]),
+                           c_now, scale=cfg.attn_scale)
+      selection = top_pages(pooled, policy.n_sel)
+      np.testing.assert_array_equal(after.selection[l], selection)
+      fetch, slots, promised = plan_recall(jnp.asarray(before.promised_ids[l]), selection, pooled, policy.recall)
+      np.testing.assert_array_equal(after.step_fetch[l], fetch)
+      np.testing.assert_array_equal(after.step_slots[l], slots)
+      np.testing.assert_array_equal(after.promised_ids[l], promised)
+    assert after.primed[1:].all() and not after.primed[0]
+  finally:
+    context.close()
