@@ -3,9 +3,10 @@
     python experiments/bench_compile_modes.py --model=random:llama3-8b --context_len=8192 --batches=1,4 \\
         --policies=full,freekv_step
 
-Modes: `unrolled_cb_off` (unrolled layers, XLA command buffers off: kvjax.engine's choice for
-unrolled layers unless the policy is launch-bound), `unrolled_cb_on` (unrolled, XLA's default
-command buffers) and `stacked` (stacked layers under lax.scan, XLA defaults). For each mode,
+Modes (default three): `unrolled_cb_off` (unrolled layers, XLA command buffers off: kvjax.engine's
+choice for unrolled layers unless the policy is launch-bound), `unrolled_cb_on` (unrolled, XLA's
+default command buffers) and `stacked` (stacked layers under lax.scan, XLA defaults); on request,
+`unrolled_cb_*` variants with XLA's command-buffer update and graph-size options (MODES). For each mode,
 policy and batch a context of random token ids is prefilled and `--steps` steps decoded through a
 jit of `engine.decode_step` built here with that mode's options, so the policy's own preference
 is bypassed. Rows (medians over the steps after two warm-up steps):
@@ -33,7 +34,20 @@ from kvjax import engine
 from kvjax.sampling import SamplingConfig
 from models.rope import rope_tables
 
-MODES = ("unrolled_cb_off", "unrolled_cb_on", "stacked")
+# mode -> (layer layout, jit compiler options). The unrolled_cb_* variants beyond on/off try XLA's
+# command-buffer knobs on a launch-bound step: re-recording a graph whose argument addresses changed
+# (SKIP_TEMP: not for temporaries), the exclusive-lock fast path of graph updates, graphs of any size.
+MODES = {
+    "unrolled_cb_off": ("unrolled", {"xla_gpu_enable_command_buffer": ""}),
+    "unrolled_cb_on": ("unrolled", None),
+    "unrolled_cb_skip_temp": ("unrolled", {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}),
+    "unrolled_cb_exclusive": ("unrolled", {"xla_gpu_require_exclusive_lock": True}),
+    "unrolled_cb_min1": ("unrolled", {"xla_gpu_graph_min_graph_size": 1}),
+    "unrolled_cb_tuned": ("unrolled", {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP",
+                                       "xla_gpu_require_exclusive_lock": True, "xla_gpu_graph_min_graph_size": 1}),
+    "stacked": ("stacked", None),
+}
+DEFAULT_MODES = ("unrolled_cb_off", "unrolled_cb_on", "stacked")
 POLICIES = {"full": ("full", {}), "freekv_step": ("freekv", {"bridge": "per_step"}),
             "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
             "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2, "index": "flat"})}
@@ -41,7 +55,7 @@ POLICIES = {"full": ("full", {}), "freekv_step": ("freekv", {"bridge": "per_step
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")
 flags.DEFINE_integer("context_len", 8192, "Prompt tokens per sequence.")
 flags.DEFINE_list("batches", ["1"], "Sequences decoded together.")
-flags.DEFINE_list("modes", list(MODES), f"Compile modes, from {MODES}.")
+flags.DEFINE_list("modes", list(DEFAULT_MODES), f"Compile modes, from {list(MODES)}.")
 flags.DEFINE_list("policies", ["full", "freekv_step"], f"Policies, from {list(POLICIES)}.")
 flags.DEFINE_integer("steps", 10, "Decode steps (the first two are not counted).")
 flags.DEFINE_string("dtype", "bfloat16", "Weight and KV dtype.")
@@ -51,9 +65,8 @@ FLAGS = flags.FLAGS
 
 
 def step_fn(mode: str):
-  options = {"xla_gpu_enable_command_buffer": ""} if mode == "unrolled_cb_off" else None
   return jax.jit(engine.decode_step.__wrapped__, static_argnames=("cfg", "policy", "sampling"),
-                 donate_argnames=("state",), compiler_options=options)
+                 donate_argnames=("state",), compiler_options=MODES[mode][1])
 
 
 def measure(model, mode: str, key: str, batch: int) -> dict:
@@ -90,12 +103,12 @@ def main(argv):
   del argv
   bad = sorted(set(FLAGS.modes) - set(MODES)) + sorted(set(FLAGS.policies) - set(POLICIES))
   if bad:
-    raise app.UsageError(f"unknown --modes / --policies {bad}; known: {MODES}, {list(POLICIES)}")
+    raise app.UsageError(f"unknown --modes / --policies {bad}; known: {list(MODES)}, {list(POLICIES)}")
   batches = [int(b) for b in FLAGS.batches]
   rows = []
-  for layout in dict.fromkeys("stacked" if m == "stacked" else "unrolled" for m in FLAGS.modes):
+  for layout in dict.fromkeys(MODES[m][0] for m in FLAGS.modes):
     model = kvjax.load_model(FLAGS.model, dtype=FLAGS.dtype, layout=layout)
-    for mode in [m for m in FLAGS.modes if (m == "stacked") == (layout == "stacked")]:
+    for mode in [m for m in FLAGS.modes if MODES[m][0] == layout]:
       for batch in batches:
         for key in FLAGS.policies:
           row = dict(model=model.cfg.name, mode=mode, policy=key, batch=batch, context=FLAGS.context_len)

@@ -22,3 +22,17 @@ def test_every_mode_and_policy_runs(tmp_path):
     assert "error" not in r, r
     assert 0 < r["call_ms"] <= r["jitted_ms"]
     assert r["after_ms"] > 0 or r["policy"] == "full"  # freekv exchanges pages between steps
+
+
+def test_every_mode_names_valid_compile_options():
+  """The GPU-only command-buffer knobs are validated by name on any backend: a typo or an
+  option this jaxlib lacks fails here, not in a device call."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  import jax
+  import jax.numpy as jnp
+
+  import bench_compile_modes
+
+  for mode, (layout, options) in bench_compile_modes.MODES.items():
+    assert layout in ("unrolled", "stacked"), mode
+    jax.jit(lambda x: x + 1, compiler_options=options)(jnp.ones(2)).block_until_ready()
