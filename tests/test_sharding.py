@@ -28,10 +28,12 @@ TOL = 1e-4  # float32 logits; sharding changes only the order of the psum's addi
 # shapes (q/k/v biases) with fused, unrolled weights; retrieval (roar, speculative) on Gemma 3
 # shapes (QK norms, sandwich norms around the psum, a sliding-window layer kept dense) with
 # fused stacked weights; retrieval's per_step bridge (lag 2: host work on a background thread,
-# per device); freekv (speculative) on Llama shapes. Mostly compilation (252 s of CI with 4
-# device counts each), so the retrieval cases run on 2 devices only: the head split is the same
-# code for every policy, and full and freekv still check 4.
-CASES = ["full_qwen2_fused_unrolled:2,4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2", "freekv:2,4"]
+# per device); freekv (speculative, and per_step lag 2: after_layers inside shard_map) on Llama
+# shapes. Mostly compilation (252 s of CI with 4 device counts each), so the retrieval cases and
+# freekv per_step run on 2 devices only: the head split is the same code for every policy, and
+# full and freekv still check 4.
+CASES = ["full_qwen2_fused_unrolled:2,4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2", "freekv:2,4",
+         "freekv_per_step_lag2:2"]
 SAVED = "saved:2"  # a sharded context saved and loaded (sharded_decode_check.run_saved)
 
 
@@ -62,7 +64,8 @@ def test_sharded_decode_equals_unsharded(sharded_rows):
 def test_one_host_exchange_per_layer_or_step_per_device(sharded_rows):
   sharded_rows = _decode_rows(sharded_rows)
   host_backed = [r for r in sharded_rows if r["ref_callbacks"] is not None]
-  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2", "freekv"}
+  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2", "freekv",
+                                              "freekv_per_step_lag2"}
   for row in host_backed:
     assert row["callbacks"] == row["devices"] * row["ref_callbacks"], row
 
