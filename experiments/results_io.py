@@ -4,6 +4,7 @@ and a markdown table made from the same rows."""
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -15,7 +16,10 @@ import numpy as np
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
+@functools.lru_cache(maxsize=None)
 def _commit() -> str:
+  # Read once per process: a long study rewrites its files after every sample, and the commit
+  # of its code is the one it started from, not the checkout's HEAD at each rewrite.
   # The GPU machine's checkout carries a stale .git: the caller passes the real commit.
   if os.environ.get("KVJAX_COMMIT"):
     return os.environ["KVJAX_COMMIT"]
@@ -27,6 +31,9 @@ def _commit() -> str:
     return out.stdout.strip() + ("-dirty" if dirty else "")
   except (OSError, subprocess.CalledProcessError):
     return os.environ.get("KVJAX_COMMIT", "unknown")
+
+
+_commit()  # at import, i.e. when the study's code was loaded
 
 
 def stamp() -> dict:
