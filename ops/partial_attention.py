@@ -68,6 +68,8 @@ def _kernel(
     layer_ref,  # [1] int32: layer of the stacked cache (0 when not stacked)
     starts_ref,  # [] int32: first valid key of this sequence
     lengths_ref,  # [] int32: one past the last valid key of this sequence
+    starts2_ref,  # [] int32: a second interval [starts2, lengths2), disjoint from the first
+    lengths2_ref,  # [] int32
     q_ref,  # [Gp, D]: this KV head's query group, padded to Gp rows
     k_ref,  # [L, B, Hkv, S, D]: the whole cache, indexed in place
     v_ref,  # [L, B, Hkv, S, D]
@@ -81,13 +83,6 @@ def _kernel(
 ):
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
-  start = starts_ref[()]
-  length = lengths_ref[()]
-  lo = jnp.maximum(start, split * split_len)
-  hi = jnp.minimum(jnp.minimum(length, (split + 1) * split_len), seq_len)
-  first = lo // block_k
-  # Only blocks that hold at least one valid key are visited, so m stays finite.
-  last = jnp.where(hi > lo, pl.cdiv(hi, block_k), first)
 
   gp, head_dim = q_ref.shape
   q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
@@ -95,7 +90,7 @@ def _kernel(
   precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
   ragged_tail = seq_len % block_k != 0
 
-  def body(i, carry, *, masked: bool):
+  def body(i, carry, *, start, length, masked: bool):
     acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp]
     nominal = i * block_k
     if masked and ragged_tail:
@@ -122,21 +117,31 @@ def _kernel(
                  preferred_element_type=jnp.float32)
     return alpha[:, None] * acc + pv, m_next, l_next
 
-  masked_body = functools.partial(body, masked=True)
+  def visit(start, length, carry):
+    """Folds this split's share of the keys [start, length) into the carry."""
+    lo = jnp.maximum(start, split * split_len)
+    hi = jnp.minimum(jnp.minimum(length, (split + 1) * split_len), seq_len)
+    first = lo // block_k
+    # Only blocks that hold at least one valid key are visited, so m stays finite.
+    last = jnp.where(hi > lo, pl.cdiv(hi, block_k), first)
+    masked_body = functools.partial(body, start=start, length=length, masked=True)
+    # Only the first and last visited blocks can be partial: they take the masked
+    # body; the interior loop runs mask-free (the hot path at long lengths).
+    carry = lax.fori_loop(first, jnp.minimum(first + 1, last), masked_body, carry)
+    interior_end = jnp.maximum(last - 1, first + 1)
+    if ragged_tail:
+      # A block that reaches past the buffer end must be shifted: keep it masked.
+      interior_end = jnp.minimum(interior_end, seq_len // block_k)
+    carry = lax.fori_loop(first + 1, interior_end,
+                          functools.partial(body, start=start, length=length, masked=False), carry)
+    return lax.fori_loop(jnp.maximum(interior_end, first + 1), last, masked_body, carry)
+
   acc = jnp.zeros((gp, head_dim), jnp.float32)
   m = jnp.full((gp,), _NEG_INF, jnp.float32)
   l = jnp.zeros((gp,), jnp.float32)
-  carry = (acc, m, l)
-  # Only the first and last visited blocks can be partial: they take the masked
-  # body; the interior loop runs mask-free (the hot path at long lengths).
-  carry = lax.fori_loop(first, jnp.minimum(first + 1, last), masked_body, carry)
-  interior_end = jnp.maximum(last - 1, first + 1)
-  if ragged_tail:
-    # A block that reaches past the buffer end must be shifted: keep it masked.
-    interior_end = jnp.minimum(interior_end, seq_len // block_k)
-  carry = lax.fori_loop(first + 1, interior_end, functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(jnp.maximum(interior_end, first + 1), last, masked_body, carry)
-  acc, m, l = carry
+  carry = visit(starts_ref[()], lengths_ref[()], (acc, m, l))
+  # A block both intervals touch is read twice, each time masked to its own interval.
+  acc, m, l = visit(starts2_ref[()], lengths2_ref[()], carry)
   nonempty = l > 0
   o_ref[...] = jnp.where(nonempty[:, None], acc / jnp.where(nonempty, l, 1.0)[:, None], 0.0)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
@@ -151,6 +156,8 @@ def _partial_attention_pallas(
     v,  # [L, B, Hkv, S, D]
     starts,  # [B] int32
     lengths,  # [B] int32
+    starts2,  # [B] int32
+    lengths2,  # [B] int32
     layer,  # [1] int32
     *,
     scale: float,
@@ -192,6 +199,8 @@ def _partial_attention_pallas(
           pl.BlockSpec((1,), lambda b, h, s: (0,)),
           pl.BlockSpec((None,), lambda b, h, s: (b,)),
           pl.BlockSpec((None,), lambda b, h, s: (b,)),
+          pl.BlockSpec((None,), lambda b, h, s: (b,)),
+          pl.BlockSpec((None,), lambda b, h, s: (b,)),
           pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
           pl.no_block_spec,
           pl.no_block_spec,
@@ -207,7 +216,7 @@ def _partial_attention_pallas(
       compiler_params=compiler_params,
       interpret=interpret,
       name=f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}",
-  )(layer, starts, lengths, qg, k, v)
+  )(layer, starts, lengths, starts2, lengths2, qg, k, v)
   if grid_splits > 1:  # [B, Hkv, ns, Gp, D] -> [B, Hq, D]
     return combine_splits(o, lse, groups=groups, interpret=interpret)
   # One split is already normalized.
@@ -230,6 +239,8 @@ def _partial_attention_xla(
     v,  # same as k
     starts,  # [B] int32
     lengths,  # [B] int32
+    starts2,  # [B] int32
+    lengths2,  # [B] int32
     layer,  # [] int32 or None
     *,
     scale: float,
@@ -243,8 +254,7 @@ def _partial_attention_xla(
   # BKGD,BKSD->BKGS in the storage dtype, f32 accumulation (what the kernel does).
   s = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32,
                  precision=precision) * scale
-  pos = jnp.arange(seq_len, dtype=jnp.int32)
-  valid = (pos >= starts[:, None]) & (pos < lengths[:, None])  # [B, S]
+  valid = _in_intervals(seq_len, starts, lengths, starts2, lengths2)  # [B, S]
   s = jnp.where(valid[:, None, None, :], s, _NEG_INF)
   m = jnp.max(s, axis=-1)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -257,14 +267,24 @@ def _partial_attention_xla(
   return o.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
 
 
-def _validate(q, k, v, lengths, starts, layer, implementation):
+def _in_intervals(seq_len: int, starts, lengths, starts2, lengths2):
+  """[B, seq_len] bool: position in [starts, lengths) or in [starts2, lengths2)."""
+  pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+  return (((pos >= starts[:, None]) & (pos < lengths[:, None]))
+          | ((pos >= starts2[:, None]) & (pos < lengths2[:, None])))
+
+
+def _validate(q, k, v, lengths, starts, layer, implementation, starts2=None, lengths2=None):
   """Boundary checks; returns (num_layers or None, seq_len)."""
   _checks.check_implementation(implementation)
   num_layers, batch, _, seq_len, head_dim = _checks.check_query_and_cache(
       q, k, v, q_layout="[batch, q_heads, head_dim]", q_head_axis=1, layer=layer)
   if implementation == "pallas":
     _checks.check_pow2("head_dim", head_dim, _MIN_TILE, " for implementation='pallas' (use 'xla')")
-  for name, x in (("lengths", lengths), ("starts", starts)):
+  if (starts2 is None) != (lengths2 is None):
+    raise ValueError("starts2 and lengths2 go together (a second key interval); got only "
+                     f"{'starts2' if lengths2 is None else 'lengths2'}")
+  for name, x in (("lengths", lengths), ("starts", starts), ("starts2", starts2), ("lengths2", lengths2)):
     if x is None:
       continue
     _checks.check_int(name, x)
@@ -273,16 +293,16 @@ def _validate(q, k, v, lengths, starts, layer, implementation):
   return num_layers, seq_len
 
 
-def _prepare(q, k, v, lengths, starts, layer, implementation, scale):
-  lengths = jnp.asarray(lengths)
-  starts = None if starts is None else jnp.asarray(starts)
-  _validate(q, k, v, lengths, starts, layer, implementation)
-  batch = q.shape[0]
-  lengths = lengths.astype(jnp.int32)
-  starts = (jnp.zeros((batch,), jnp.int32) if starts is None
-            else starts.astype(jnp.int32))
+def _prepare(q, k, v, lengths, starts, layer, implementation, scale, starts2=None, lengths2=None):
+  """Validated int32 (lengths, starts, starts2, lengths2) and the scale; an absent second
+  interval is empty."""
+  as_array = lambda x: None if x is None else jnp.asarray(x)
+  lengths, starts, starts2, lengths2 = map(as_array, (lengths, starts, starts2, lengths2))
+  _validate(q, k, v, lengths, starts, layer, implementation, starts2, lengths2)
+  zeros = jnp.zeros((q.shape[0],), jnp.int32)
+  as_int32 = lambda x: zeros if x is None else x.astype(jnp.int32)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-  return lengths, starts, scale
+  return as_int32(lengths), as_int32(starts), as_int32(starts2), as_int32(lengths2), scale
 
 
 def partial_attention(
@@ -292,6 +312,8 @@ def partial_attention(
     lengths: jax.Array,  # [B] int32
     *,
     starts: jax.Array | None = None,  # [B] int32
+    starts2: jax.Array | None = None,  # [B] int32
+    lengths2: jax.Array | None = None,  # [B] int32
     layer: jax.Array | int | None = None,  # [] int32
     scale: float | None = None,
     implementation: str = "pallas",
@@ -303,7 +325,8 @@ def partial_attention(
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of each sequence's query heads over its valid keys, as (o, lse).
 
-  Keys at positions [starts[b], lengths[b]) of sequence b are attended; query
+  Keys at positions [starts[b], lengths[b]) (and [starts2[b], lengths2[b])) of sequence b are
+  attended; query
   head h uses KV head h // G with G = Hq // Hkv. The Pallas kernel loads each
   KV block once for its whole query group and splits S across programs
   (flash-decoding), then merges the splits exactly.
@@ -315,6 +338,9 @@ def partial_attention(
     v: values, same shape and dtype as k.
     lengths: [batch] int32, one past the last valid key (<= seq).
     starts: [batch] int32 first valid key (default 0), e.g. a sliding window.
+    starts2, lengths2: [batch] int32, optional together: a second interval of keys
+      [starts2, lengths2), disjoint from the first (a key in both counts twice), e.g. the
+      sinks of a ring whose window wraps. One call instead of two and a merge.
     layer: int32 scalar (may be traced) selecting the layer of a stacked cache;
       the Pallas path indexes the stacked buffer in place (no slice copy).
     scale: score scale; default head_dim ** -0.5.
@@ -330,20 +356,21 @@ def partial_attention(
     lse: [batch, q_heads] float32 log-sum-exp of the scaled scores.
     An empty set gives o = 0 and lse = -inf.
   """
-  lengths, starts, scale = _prepare(q, k, v, lengths, starts, layer, implementation, scale)
+  lengths, starts, starts2, lengths2, scale = _prepare(q, k, v, lengths, starts, layer, implementation, scale,
+                                                       starts2, lengths2)
   if block_k is not None:
     _checks.check_pow2("block_k", block_k, _MIN_TILE)
   if num_splits is not None and num_splits < 1:
     raise ValueError(f"{num_splits=} must be >= 1")
   if implementation == "xla":
     layer_arr = None if layer is None else jnp.asarray(layer, jnp.int32)
-    return _partial_attention_xla(q, k, v, starts, lengths, layer_arr, scale=scale)
+    return _partial_attention_xla(q, k, v, starts, lengths, starts2, lengths2, layer_arr, scale=scale)
   if k.ndim == 4:
     k, v = k[None], v[None]  # a free reshape: L = 1
     layer = 0
   layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
   return _partial_attention_pallas(
-      q, k, v, starts, lengths, layer_arr, scale=scale, block_k=block_k,
+      q, k, v, starts, lengths, starts2, lengths2, layer_arr, scale=scale, block_k=block_k,
       num_splits=num_splits, interpret=interpret, num_warps=num_warps,
       num_stages=num_stages)
 
@@ -355,6 +382,8 @@ def partial_attention_reference(
     lengths: jax.Array,  # [B] int32
     *,
     starts: jax.Array | None = None,  # [B] int32
+    starts2: jax.Array | None = None,  # [B] int32
+    lengths2: jax.Array | None = None,  # [B] int32
     layer: jax.Array | int | None = None,  # [] int32
     scale: float | None = None,
     implementation: str = "xla",
@@ -369,7 +398,8 @@ def partial_attention_reference(
   are accepted and ignored so both functions can be called with one kwargs dict.
   """
   del implementation, interpret, block_k, num_splits, unused
-  lengths, starts, scale = _prepare(q, k, v, lengths, starts, layer, "xla", scale)
+  lengths, starts, starts2, lengths2, scale = _prepare(q, k, v, lengths, starts, layer, "xla", scale,
+                                                       starts2, lengths2)
   k, v = _select_layer(k, layer), _select_layer(v, layer)
   batch, q_heads, head_dim = q.shape
   _, kv_heads, seq_len, _ = k.shape
@@ -377,8 +407,7 @@ def partial_attention_reference(
   hp = lax.Precision.HIGHEST
   qg = q.astype(jnp.float32).reshape(batch, kv_heads, groups, head_dim)
   s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=hp) * scale
-  pos = jnp.arange(seq_len)
-  valid = (pos >= starts[:, None]) & (pos < lengths[:, None])  # [B, S]
+  valid = _in_intervals(seq_len, starts, lengths, starts2, lengths2)  # [B, S]
   s = jnp.where(valid[:, None, None, :], s, _NEG_INF)
   lse = jax.nn.logsumexp(s, axis=-1)  # -inf for an empty set
   p = jnp.where(valid[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)

@@ -89,6 +89,33 @@ class PartialAttentionTest:
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
 
+  @pytest.mark.parametrize("num_splits", [1, 3])
+  def test_second_interval_matches_reference(self, num_splits):
+    """Two disjoint intervals in one call (a wrapped ring and its sinks): the union of the sets,
+    with keys between and around them NaN; one interval sharing a block with the other, one
+    empty, and a sequence with only the second."""
+    seq_len, head_dim, dtype = 90, 64, jnp.float32
+    q, k, v, _, _ = _make_case(12, 4, 4, 2, seq_len, head_dim, dtype, poison=False)
+    starts = jnp.asarray([40, 10, 0, 50], jnp.int32)
+    lengths = jnp.asarray([90, 20, 0, 77], jnp.int32)
+    starts2 = jnp.asarray([0, 21, 5, 0], jnp.int32)
+    lengths2 = jnp.asarray([8, 23, 30, 0], jnp.int32)
+    pos = np.arange(seq_len)
+    inside = (((pos >= np.asarray(starts)[:, None]) & (pos < np.asarray(lengths)[:, None]))
+              | ((pos >= np.asarray(starts2)[:, None]) & (pos < np.asarray(lengths2)[:, None])))
+    k = jnp.where(inside[:, None, :, None], k, jnp.nan)
+    v = jnp.where(inside[:, None, :, None], v, jnp.nan)
+    o, lse = ops.partial_attention(q, k, v, lengths, starts=starts, starts2=starts2, lengths2=lengths2,
+                                   interpret=self.INTERPRET, block_k=16, num_splits=num_splits)
+    o_ref, lse_ref = ops.partial_attention_reference(q, k, v, lengths, starts=starts, starts2=starts2,
+                                                     lengths2=lengths2)
+    _check_close(o, lse, o_ref, lse_ref, jnp.asarray(inside.sum(1)), jnp.zeros(4, jnp.int32), dtype)
+    # The union equals the two intervals attended apart and merged.
+    parts = [ops.partial_attention_reference(q, k, v, e, starts=s0) for s0, e in ((starts, lengths), (starts2, lengths2))]
+    o_two, lse_two = ops.merge_partials(parts)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_two), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_two), atol=2e-5, rtol=2e-5)
+
   def test_layer_stacked_traced_layer_in_scan(self):
     """Stacked cache in a scan carry, traced layer: each layer == its own reference."""
     layers, kv_heads, group, seq_len, head_dim = 3, 2, 2, 48, 64
@@ -173,6 +200,8 @@ def test_default_config_fills_device_and_respects_shape():
     (dict(layer=5), ValueError, r"layer\[\]=5"),
     (dict(layer=None), ValueError, "pass layer="),
     (dict(implementation="cuda"), ValueError, "implementation='cuda'"),
+    (dict(starts2=[0, 1]), ValueError, "starts2 and lengths2 go together"),
+    (dict(starts2=[0, 1], lengths2=[3, 21]), ValueError, r"lengths2\[1\]=21"),
 ])
 def test_bad_input_raises_naming_value(bad, err, match):
   q_heads, kv_heads = bad.get("q_heads", 4), bad.get("kv_heads", 2)
@@ -182,8 +211,9 @@ def test_bad_input_raises_naming_value(bad, err, match):
   k = jnp.ones(lead + (2, kv_heads, 20, 64), bad.get("k_dtype", jnp.float32))
   lengths = jnp.asarray(bad.get("lengths", [5, 7]), bad.get("lengths_dtype", jnp.int32))
   kwargs = {}
-  if "starts" in bad:
-    kwargs["starts"] = jnp.asarray(bad["starts"], jnp.int32)
+  for name in ("starts", "starts2", "lengths2"):
+    if name in bad:
+      kwargs[name] = jnp.asarray(bad[name], jnp.int32)
   if layers is not None:
     kwargs["layer"] = bad["layer"]
   with pytest.raises(err, match=match):

@@ -73,8 +73,9 @@ with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GP
 policy is `launch_bound_step`, and kvjax.engine keeps XLA's command buffers for it (24.6 -> 17.8
 ms at 8K, batch 1). Since then a sparse layer only writes its ring and attends (ring and pool);
 what feeds the host alone (summaries, the next selection, its plan, the counters) is computed
-once for all layers after the last one (`after_layers`): in the CPU program of a 6-layer test
-model, 111 -> 50 operations per layer. The exchange gathers every page in one C call
+once for all layers after the last one (`after_layers`), and its ring is one kernel call over
+two intervals (ops.partial_attention's starts2/lengths2): in the CPU program of a 6-layer test
+model, 111 -> 43 operations per layer. The exchange gathers every page in one C call
 (`fetch_pages_many`) and does not wait for its copy: the copy overlaps the next step's launch
 (`sync_transfer` waits).
 
@@ -778,17 +779,16 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype), mode="promise_in_bounds")
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype), mode="promise_in_bounds")
 
-    # Attention over the ring: two intervals of its circular recent part, the sinks joined to
-    # the wrapped one.
+    # Attention over the ring, one call over two intervals: the circular recent part up to the
+    # ring's end, and the sinks joined to its wrapped rest.
     c_ring = self._ring_pages(pos)  # = c_prev with lag 1
     local_start = S + c_ring * P
     count = jnp.maximum(pos + 1 - local_start, 0)
     a = (local_start - S) % ring_len
-    ring1 = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
-                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
-    ring2 = ops.partial_attention(q0, ring_k, ring_v,
-                                  jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
-                                  layer=layer, scale=cfg.attn_scale, implementation=impl)
+    ring = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
+                                 starts2=jnp.zeros_like(pos),
+                                 lengths2=jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
+                                 layer=layer, scale=cfg.attn_scale, implementation=impl)
     state = state.replace(ring_k=ring_k, ring_v=ring_v)
 
     if self.bridge == "per_step":
@@ -801,7 +801,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, state.pool_slots[layer],
                                              state.pool_counts[layer], layer=layer, scale=cfg.attn_scale,
                                              implementation=self._paged_impl())
-      o, _ = ops.merge_partials([ring1, ring2, resident])
+      o, _ = ops.merge_partials([ring, resident])
       return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
     ev_pos = pos - W
@@ -863,7 +863,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     recalled = ops.paged_partial_attention(
         q0, pages_k[:, :, :R], pages_v[:, :, :R], jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (B, H, R)),
         recalled_count, scale=cfg.attn_scale, implementation=self._paged_impl())
-    o, _ = ops.merge_partials([ring1, ring2, resident, recalled])
+    o, _ = ops.merge_partials([ring, resident, recalled])
 
     # Pool update (after attention in data-flow terms): the correction's pages, then the next
     # step's (which may replace a page just recalled: the later write wins).

@@ -226,11 +226,10 @@ class StreamingLLM(AttentionPolicy):
       impl: str,
   ):
     """Attention over the sinks and the window: o [batch, num_heads, head_dim] f32."""
-    ranges = streaming_ranges(pos, layer_window(cfg, layer), sinks=self.sinks, window=self.window)
-    parts = [ops.partial_attention(q, k_ring, v_ring, end, starts=start, layer=layer, scale=cfg.attn_scale,
-                                   implementation=impl)
-             for start, end in ranges]
-    o, _ = ops.merge_partials(parts)
+    (start1, end1), (start2, end2) = streaming_ranges(pos, layer_window(cfg, layer), sinks=self.sinks,
+                                                      window=self.window)
+    o, _ = ops.partial_attention(q, k_ring, v_ring, end1, starts=start1, starts2=start2, lengths2=end2, layer=layer,
+                                 scale=cfg.attn_scale, implementation=impl)
     return o
 
 
