@@ -80,6 +80,7 @@ def _kernel(
     block_k: int,
     split_len: int,
     seq_len: int,
+    second: bool,
 ):
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
@@ -139,9 +140,10 @@ def _kernel(
   acc = jnp.zeros((gp, head_dim), jnp.float32)
   m = jnp.full((gp,), _NEG_INF, jnp.float32)
   l = jnp.zeros((gp,), jnp.float32)
-  carry = visit(starts_ref[()], lengths_ref[()], (acc, m, l))
-  # A block both intervals touch is read twice, each time masked to its own interval.
-  acc, m, l = visit(starts2_ref[()], lengths2_ref[()], carry)
+  acc, m, l = visit(starts_ref[()], lengths_ref[()], (acc, m, l))
+  if second:  # (static: a one-interval call compiles without it)
+    # A block both intervals touch is read twice, each time masked to its own interval.
+    acc, m, l = visit(starts2_ref[()], lengths2_ref[()], (acc, m, l))
   nonempty = l > 0
   o_ref[...] = jnp.where(nonempty[:, None], acc / jnp.where(nonempty, l, 1.0)[:, None], 0.0)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
@@ -149,7 +151,7 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "block_k", "num_splits", "interpret", "num_warps", "num_stages"))
+    static_argnames=("scale", "block_k", "num_splits", "interpret", "num_warps", "num_stages", "second"))
 def _partial_attention_pallas(
     q,  # [B, Hq, D]
     k,  # [L, B, Hkv, S, D]
@@ -166,6 +168,7 @@ def _partial_attention_pallas(
     interpret: bool,
     num_warps: int | None,
     num_stages: int | None,
+    second: bool,
 ):
   batch, q_heads, head_dim = q.shape
   _, _, kv_heads, seq_len, _ = k.shape
@@ -183,7 +186,7 @@ def _partial_attention_pallas(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
 
   kernel = functools.partial(
-      _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len)
+      _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len, second=second)
   compiler_params = None
   if not interpret and jax.default_backend() == "gpu":
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
@@ -215,7 +218,7 @@ def _partial_attention_pallas(
       ],
       compiler_params=compiler_params,
       interpret=interpret,
-      name=f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}",
+      name=f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}" + ("_2iv" if second else ""),
   )(layer, starts, lengths, starts2, lengths2, qg, k, v)
   if grid_splits > 1:  # [B, Hkv, ns, Gp, D] -> [B, Hq, D]
     return combine_splits(o, lse, groups=groups, interpret=interpret)
@@ -356,6 +359,7 @@ def partial_attention(
     lse: [batch, q_heads] float32 log-sum-exp of the scaled scores.
     An empty set gives o = 0 and lse = -inf.
   """
+  second = starts2 is not None
   lengths, starts, starts2, lengths2, scale = _prepare(q, k, v, lengths, starts, layer, implementation, scale,
                                                        starts2, lengths2)
   if block_k is not None:
@@ -372,7 +376,7 @@ def partial_attention(
   return _partial_attention_pallas(
       q, k, v, starts, lengths, starts2, lengths2, layer_arr, scale=scale, block_k=block_k,
       num_splits=num_splits, interpret=interpret, num_warps=num_warps,
-      num_stages=num_stages)
+      num_stages=num_stages, second=second)
 
 
 def partial_attention_reference(
