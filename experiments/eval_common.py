@@ -31,8 +31,8 @@ def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
   flags.DEFINE_integer("seed", 0, "First sample seed.")
   flags.DEFINE_integer("max_new_tokens", None, "Generation per decode; default: each task's own.")
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
-  flags.DEFINE_bool("early_stop", False, "Stop decoding at the end of the answer's sentence ('.' or a newline once a letter or digit came) "
-                    "for tasks whose answers hold neither (NIAH, vt): saves steps, can only lower scores.")
+  flags.DEFINE_bool("early_stop", False, "Stop a decode once its text holds every answer (kvjax.eval.Sample.complete): "
+                    "the scores are those of the whole generation, in fewer steps (kv_retrieval decodes in full).")
   flags.DEFINE_string("name", name, "Results stem: <out_dir>/<name>.json, .md and .png.")
   flags.DEFINE_string("out_dir", None, "Results directory (default experiments/results).")
   flags.DEFINE_bool("plot", True, "Write <name>.png (needs matplotlib, the bench extra).")

@@ -63,7 +63,7 @@ def write(model, specs, lengths, depths, records, *, partial: str) -> list[dict]
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
            f"{FLAGS.samples} sample(s) per cell; length = prompt text tokens (chat template and answer prefix "
            f"on top, see prompt_tokens). Depth = haystack tokens before the needle / all haystack tokens; "
-           f"early stop at the answer's sentence end: {FLAGS.early_stop}."
+           f"early stop once every answer is in the text: {FLAGS.early_stop}."
            + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
   eval_common.write_paired(rows, cell=("length", "depth"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,

@@ -63,8 +63,8 @@ def main(argv):
                                     prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
       eval_common.progress(record)
       rows.append(eval_common.flatten(record))
-    notes = (f"{model.cfg.name} ({model.source}); {FLAGS.samples} sample(s) per cell; {SCORES}; early stop at "
-             f"the answer's sentence end: {FLAGS.early_stop}." + (f" PARTIAL: {done} of {len(plan)} samples."
+    notes = (f"{model.cfg.name} ({model.source}); {FLAGS.samples} sample(s) per cell; {SCORES}; early stop once "
+             f"every answer is in the text: {FLAGS.early_stop}." + (f" PARTIAL: {done} of {len(plan)} samples."
                                                                    if done < len(plan) else ""))
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
     table = write(rows, tasks=FLAGS.tasks, labels=[s.label for s in specs], lengths=lengths, notes=notes,

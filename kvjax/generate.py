@@ -301,7 +301,7 @@ def decode(
     top_p: float = 1.0,
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
-    stop_after_content: Sequence[int] = (),
+    stop_when: Callable[[list[int]], bool] | None = None,
     return_logits: bool = False,
     on_step: Callable[[int], None] | None = None,
 ) -> GenerationResult:
@@ -314,8 +314,8 @@ def decode(
     temperature, top_p: sampling (temperature 0 is greedy).
     seed: PRNG seed of the sampler.
     stop_tokens: ids that end a sequence; default: the tokenizer's end-of-turn ids.
-    stop_after_content: ids that end a sequence once it has generated a letter or digit (a
-      sentence end after the answer, not a newline after a lead-in such as ":"); needs a tokenizer.
+    stop_when: called with a sequence's generated ids after each new token (kept); True ends
+      that sequence, e.g. once its text holds a task's answer (kvjax.eval's early stop).
     return_logits: keep every step's logits [steps, batch, vocab] (for tests and studies).
     on_step: called with the number of decode steps done after each one (and its host work).
   """
@@ -332,24 +332,16 @@ def decode(
   if stop_tokens is None:
     stop_tokens = sorted(model.tokenizer.eos_ids) if model.tokenizer is not None else []
   stop = set(int(t) for t in stop_tokens)
-  stop_later = set(int(t) for t in stop_after_content)
-  if stop_later and model.tokenizer is None:
-    raise ValueError("stop_after_content needs a tokenizer to tell content from lead-in tokens")
+  if stop_when is not None and not callable(stop_when):
+    raise TypeError(f"stop_when={stop_when!r} must be callable (generated ids -> bool)")
   try:
-    return _decode(model, context, sampling, stop, stop_later, max_new_tokens=max_new_tokens, seed=seed,
+    return _decode(model, context, sampling, stop, stop_when, max_new_tokens=max_new_tokens, seed=seed,
                    return_logits=return_logits, on_step=on_step)
   finally:
     context.close()
 
 
-def _ends(token: int, generated: list[int], stop: set, stop_later: set, tokenizer) -> bool:
-  """Whether `token` ends a sequence that has generated `generated` so far."""
-  if token in stop:
-    return True
-  return token in stop_later and any(ch.isalnum() for ch in tokenizer.decode(generated))
-
-
-def _decode(model, context, sampling, stop, stop_later, *, max_new_tokens, seed, return_logits,
+def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, return_logits,
             on_step) -> GenerationResult:
   cfg, attention, state = model.cfg, context.policy, context.state
   context.state = None  # donated below
@@ -368,10 +360,11 @@ def _decode(model, context, sampling, stop, stop_later, *, max_new_tokens, seed,
   for step in range(max_new_tokens):
     for b in range(batch):
       if not done[b]:
-        if _ends(int(next_tokens[b]), generated[b], stop, stop_later, model.tokenizer):
+        if int(next_tokens[b]) in stop:
           done[b] = True
         else:
           generated[b].append(int(next_tokens[b]))
+          done[b] = stop_when is not None and bool(stop_when(generated[b]))
     if done.all() or step == max_new_tokens - 1:
       break
     t0 = time.perf_counter()

@@ -68,13 +68,17 @@ def test_needle_sits_at_the_requested_token_depth(tok, task, depth):
   assert sample.meta["answer_depths"][0] == pytest.approx(measured, abs=0.01)
 
 
-def test_early_stop_strings_only_where_answers_hold_none(tok):
-  for task in ("niah_single_3", "vt", "passkey"):
+def test_early_stop_only_once_the_score_is_final(tok):
+  """Sample.complete: every answer present under a substring metric (the score cannot change
+  with more text), whatever precedes or follows; never under kv_exact."""
+  for task in ("niah_single_3", "niah_multivalue", "vt", "cwe"):
     sample = kveval.make_sample(task, tok, length=LENGTH, seed=0)
-    assert sample.stop == (".", "\n")
-    assert not any(s in a for s in sample.stop for a in sample.answers)
-  for task in ("cwe", "fwe", "kv_retrieval"):  # numbered lists, dotted noise, answers after a newline
-    assert kveval.make_sample(task, tok, length=LENGTH, seed=0).stop == ()
+    answers = list(sample.answers)
+    assert not sample.complete("")
+    assert not sample.complete(":\n\n" + " ".join(answers[:-1]))  # one answer missing
+    assert sample.complete(":\n\n* " + "\n* ".join(answers) + "\n")
+  kv = kveval.make_sample("kv_retrieval", tok, length=LENGTH, seed=0)
+  assert kv.score(kv.answers[0]) == 1.0 and not kv.complete(kv.answers[0])
 
 
 def test_multi_needle_depths_are_rulers(tok):

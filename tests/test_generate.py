@@ -72,34 +72,20 @@ def test_stop_tokens_end_a_sequence():
   assert stopped.tokens[0] == free.tokens[0][: free.tokens[0].index(stop_at)]
 
 
-def test_stop_after_content_waits_for_a_letter_or_digit():
-  """A sentence end right after a lead-in (":" then a newline) does not end the answer: a stop
-  token of stop_after_content counts only once a letter or digit was generated."""
-  base = tiny_model("llama")
-  free = kvjax.generate(base, random_prompt(20), max_new_tokens=12).tokens[0]
-  lead_in, end = free[0], free[1]
-  content = {t for t in free[2:]} - {lead_in, end}
-
-  class Tokenizer:  # lead-in tokens decode to ":", others to "a"
-    eos_ids = ()
-
-    def decode(self, ids):
-      return "".join("a" if t in content else ":" for t in ids)
-
-  model = dataclasses.replace(base, tokenizer=Tokenizer())
-  at_once = kvjax.generate(model, random_prompt(20), max_new_tokens=12, stop_tokens=[end]).tokens[0]
-  assert at_once == [lead_in]
-  later = kvjax.decode(model, kvjax.prefill(model, random_prompt(20), max_new_tokens=12), max_new_tokens=12,
-                       stop_tokens=[], stop_after_content=[end]).tokens[0]
-  expected = []
-  for t in free:
-    if t == end and any(x in content for x in expected):
-      break
-    expected.append(t)
-  assert later == expected and len(later) > 1
-  with pytest.raises(ValueError, match="needs a tokenizer"):
-    kvjax.decode(base, kvjax.prefill(base, random_prompt(20), max_new_tokens=4), max_new_tokens=4,
-                 stop_after_content=[end])
+def test_stop_when_ends_a_sequence_after_the_token_that_satisfies_it():
+  model = tiny_model("llama")
+  prompts = [random_prompt(20), random_prompt(17, seed=1)]
+  free = kvjax.generate(model, prompts, max_new_tokens=10).tokens
+  target = free[0][4]  # the first sequence stops once it has generated this token; the second may not
+  seen = []
+  stopped = kvjax.decode(model, kvjax.prefill(model, prompts, max_new_tokens=10), max_new_tokens=10,
+                         stop_when=lambda ids: seen.append(list(ids)) or target in ids).tokens
+  for b in range(2):
+    expected = free[b][: free[b].index(target) + 1] if target in free[b] else free[b]
+    assert stopped[b] == expected, b
+  assert [free[0][0]] in seen  # called with each sequence's ids so far
+  with pytest.raises(TypeError, match="stop_when"):
+    kvjax.decode(model, kvjax.prefill(model, prompts, max_new_tokens=4), max_new_tokens=4, stop_when=3)
 
 
 def test_sampling_is_reproducible_from_seed():

@@ -15,10 +15,6 @@ from collections.abc import Callable, Iterable, Sequence
 from kvjax.eval import sizing
 from kvjax.eval.sample import Sample
 
-# Where a needle task's answer ends: its values hold no "." and no newline.
-SENTENCE_END = (".", "\n")
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """A fitted prompt.
@@ -156,5 +152,4 @@ def needle_sample(tokenizer: sizing.TextTokenizer, task: str, built: Layout, nee
       length=length, tokens=built.tokens, depth=depth,
       needle_depths=tuple(round(measured[i], 4) for i in order), context_span=built.context_span,
       needle_spans=tuple(built.spans[i] for i in order), max_new_tokens=max_new_tokens, seed=seed,
-      stop=SENTENCE_END,
       meta=meta | {"units": built.units, "answer_depths": [round(measured[i], 4) for i in asked_needles]})

@@ -152,9 +152,9 @@ def run_sample(
     prefill_chunk: prompt tokens per prefill step.
     work_dir: where shared contexts are saved between decodes (a temporary directory
       by default, removed afterwards).
-    early_stop: also stop on the sample's `stop` strings (those that are one token) once the
-      generation has a letter or digit, not only on end-of-turn; scores can only drop by it,
-      never rise (see Sample.stop).
+    early_stop: also stop a decode once its text is `Sample.complete` (every answer in it, for
+      the substring metrics): the score is the one the whole generation would get, in fewer
+      steps; kv_retrieval (whole-word match) always decodes in full.
 
   Returns:
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
@@ -170,11 +170,9 @@ def run_sample(
     raise ValueError(f"policy labels must be unique: {labels}")
   new_tokens = max_new_tokens or sample.max_new_tokens
   ids = prompt_ids(model.tokenizer, sample)
-  stop = set(model.tokenizer.eos_ids)
-  sentence_end = set()
-  if early_stop:  # after the answer's first letter or digit: ":\n" before it is a lead-in, not an end
-    pieces = [model.tokenizer.encode(s, add_bos=False) for s in sample.stop]
-    sentence_end = {p[0] for p in pieces if len(p) == 1}
+  stop = sorted(model.tokenizer.eos_ids)
+  # Early stop ends a decode once its text holds every answer: the score is then final.
+  stop_when = (lambda generated: sample.complete(model.tokenizer.decode(generated))) if early_stop else None
   groups: dict[tuple, list[int]] = {}
   for i, spec in enumerate(policies):
     groups.setdefault(spec.prefill_key(), []).append(i)
@@ -194,8 +192,8 @@ def run_sample(
           policy = make_policy(spec.policy, **spec.options)
           context = kvjax.load_context(saved, model, policy_options={
               k: getattr(policy, k) for k in policy.decode_options})
-        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=sorted(stop),
-                              stop_after_content=sorted(sentence_end))
+        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
+                              stop_when=stop_when)
         records[i] = _record(sample, spec, result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
   return records  # type: ignore[return-value]
 

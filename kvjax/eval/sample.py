@@ -31,9 +31,6 @@ class Sample:
     needle_spans: (start, end) characters of each needle in `text`, in order of appearance.
     max_new_tokens: the generation the answer needs (RULER's tokens_to_generate, shortened
       where the answer is short: decoding on the CPU costs ~0.2 s a token).
-    stop: strings that may end the generation once the answer is complete (the runner stops
-      on their single-token ids when asked to). Every metric can only grow with more text, so
-      stopping early never raises a score; it saves decode steps on slow machines.
     seed: the seed that made it; the same (task, length, depth, seed, tokenizer) gives the
       same sample.
     meta: task-specific facts (keys, chain, counts...), JSON-serializable.
@@ -52,12 +49,17 @@ class Sample:
   needle_spans: tuple[tuple[int, int], ...]
   max_new_tokens: int
   seed: int
-  stop: tuple[str, ...] = ()
   meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def score(self, prediction: str) -> float:
     """The task's metric on `prediction` (the generated text, without the answer prefix)."""
     return scoring.score(prediction, self.answers, self.metric)
+
+  def complete(self, prediction: str) -> bool:
+    """Whether more text can no longer change `prediction`'s score: every answer is in it under
+    a substring metric ("all", "part"), whose score only grows with the text. Never under
+    "kv_exact": a whole-word match can break as the text grows. The runner's early stop."""
+    return self.metric in ("all", "part") and self.score(prediction) >= 1.0
 
   @property
   def context(self) -> str:
