@@ -332,13 +332,17 @@ def decode(
   if stop_tokens is None:
     stop_tokens = sorted(model.tokenizer.eos_ids) if model.tokenizer is not None else []
   stop = set(int(t) for t in stop_tokens)
-  if stop_when is not None and not callable(stop_when):
-    raise TypeError(f"stop_when={stop_when!r} must be callable (generated ids -> bool)")
+  _check_stop_when(stop_when)
   try:
     return _decode(model, context, sampling, stop, stop_when, max_new_tokens=max_new_tokens, seed=seed,
                    return_logits=return_logits, on_step=on_step)
   finally:
     context.close()
+
+
+def _check_stop_when(stop_when) -> None:
+  if stop_when is not None and not callable(stop_when):
+    raise TypeError(f"stop_when={stop_when!r} must be callable (generated ids -> bool)")
 
 
 def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, return_logits,
@@ -412,6 +416,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     stop_tokens: Sequence[int] | None = None,
+    stop_when: Callable[[list[int]], bool] | None = None,
     chat: bool | None = None,
     prefill_chunk: int = 1024,
     return_logits: bool = False,
@@ -422,7 +427,8 @@ def generate(
   Args: see `prefill` and `decode`; `max_new_tokens` serves both.
   """
   SamplingConfig(temperature=temperature, top_p=top_p)  # bad sampling options fail before any work
+  _check_stop_when(stop_when)
   context = prefill(model, prompts, max_new_tokens=max_new_tokens, policy=policy, policy_options=policy_options,
                     chat=chat, prefill_chunk=prefill_chunk, on_prefill_progress=on_prefill_progress)
   return decode(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                stop_tokens=stop_tokens, return_logits=return_logits)
+                stop_tokens=stop_tokens, stop_when=stop_when, return_logits=return_logits)
