@@ -54,6 +54,8 @@ class FreeKVStats:
     exchange_seconds: per_step: wall time of the exchanges between steps (on the critical
       path: reading the step's outputs, insert, fetch, transfer and the scatter's dispatch).
     transfer_seconds: per_step: of that, copying the updates to the device.
+    slowest_exchange_ms, slowest_wait_ms: per_step: the longest exchange, and (lag 2) the
+      longest wait for one: a mean over the steps hides a few slow ones.
   """
 
   callbacks: int = 0
@@ -75,6 +77,8 @@ class FreeKVStats:
   exchange_seconds: float = 0.0
   exchange_wait_seconds: float = 0.0  # lag 2: the decode loop waiting for the host thread's exchange
   transfer_seconds: float = 0.0
+  slowest_exchange_ms: float = 0.0
+  slowest_wait_ms: float = 0.0
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

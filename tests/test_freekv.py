@@ -272,8 +272,10 @@ def test_per_step_equals_full_when_budget_covers_the_context(lag, transfer, sync
     ids = np.concatenate([f[1, b].ravel() for f in exchange_log.fetches])
     assert sorted(ids[ids >= 0].tolist()) == sorted(list(range(needed)) * 2), b  # 2 KV heads
   assert stats["transfer_bytes_per_step"] > 0
+  assert stats["host_slowest_exchange_ms"] >= 1e3 * stats["host_exchange_seconds"] / stats["host_exchanges"] > 0
   if lag == 2:
     assert 0 <= stats["host_exchange_wait_seconds"] < stats["host_exchange_seconds"] + 1.0
+    assert 1e3 * stats["host_exchange_wait_seconds"] >= stats["host_slowest_wait_ms"] >= 0
 
 
 @pytest.mark.parametrize("lag", [1, 2])

@@ -636,7 +636,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise RuntimeError("freekv lag 2: no pending exchange to land (the state was not primed by this runtime)")
     t0 = time.perf_counter()
     packed = runtime.pending.result()
-    runtime.stats.exchange_wait_seconds += time.perf_counter() - t0
+    waited = time.perf_counter() - t0
+    runtime.stats.exchange_wait_seconds += waited
+    runtime.stats.slowest_wait_ms = max(runtime.stats.slowest_wait_ms, 1e3 * waited)
     state = self._land(state, packed)
     runtime.pending = runtime.worker().submit(self._gather, runtime, rows, device)
     return state
@@ -656,7 +658,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     # safe: a buffer is packed again only after a step that ran after the scatter consuming
     # this copy (lag 1: the next exchange; lag 2, two buffers: the one after it).
     packed = row_update.TransferTimer(runtime.stats, device, self.transfer, wait=self.sync_transfer)(update)
-    runtime.stats.exchange_seconds += time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    runtime.stats.exchange_seconds += seconds
+    runtime.stats.slowest_exchange_ms = max(runtime.stats.slowest_exchange_ms, 1e3 * seconds)
     return packed
 
   def _land(self, state: FreeKVState, packed) -> FreeKVState:
