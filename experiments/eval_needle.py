@@ -30,6 +30,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every context save at INFO
+  results_io.commit()  # stamped on every rewrite of the results: the commit this run started at
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.task not in kveval.task_names() or not kveval.takes_depth(FLAGS.task):

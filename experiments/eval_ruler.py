@@ -43,6 +43,7 @@ def pivot(summary: list[dict], tasks: list[str], columns: list[tuple[str, int]])
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every context save at INFO
+  results_io.commit()  # stamped on every rewrite of the results: the commit this run started at
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.combine:

@@ -17,9 +17,10 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
 @functools.lru_cache(maxsize=None)
-def _commit() -> str:
-  # Read once per process: a long study rewrites its files after every sample, and the commit
-  # of its code is the one it started from, not the checkout's HEAD at each rewrite.
+def commit() -> str:
+  """The commit stamped on every result of this process, read at the first call: a long study
+  rewrites its files after every sample, so it calls this when it starts (its code's commit,
+  not the checkout's HEAD at each rewrite)."""
   # The GPU machine's checkout carries a stale .git: the caller passes the real commit.
   if os.environ.get("KVJAX_COMMIT"):
     return os.environ["KVJAX_COMMIT"]
@@ -33,8 +34,6 @@ def _commit() -> str:
     return os.environ.get("KVJAX_COMMIT", "unknown")
 
 
-_commit()  # at import, i.e. when the study's code was loaded
-
 
 def stamp() -> dict:
   import jax
@@ -43,7 +42,7 @@ def stamp() -> dict:
   return {
       "device": f"{device.platform}:{getattr(device, 'device_kind', '?')}",
       "jax": jax.__version__,
-      "commit": _commit(),
+      "commit": commit(),
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
   }
@@ -51,8 +50,9 @@ def stamp() -> dict:
 
 def decode_fields(result) -> dict:
   """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step; also
-  the mean and the slowest step) and its two parts (the jitted step up to its token, the host work between steps), state bytes,
-  and the policy's counters (seconds as ms per step, means over the steps)."""
+  the mean and the slowest step) and its two parts (the jitted step up to its token, the host
+  work between steps), state bytes, and the policy's counters (seconds as ms per step, means
+  over the steps)."""
   steps = max(1, len(result.decode_seconds) + 1)
   row = dict(decode_ms=round(result.ms_per_token, 3), state_bytes=result.kv_bytes,
              peak_device_bytes=result.peak_device_bytes)

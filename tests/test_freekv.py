@@ -296,14 +296,9 @@ def test_per_step_recalls_every_selection_into_the_pool_with_the_stored_pages(la
       sum(int((f >= 0).sum()) for f in exchange_log.fetches[lag:]) / (STEPS - 1))
 
 
-@pytest.mark.parametrize("bridge", ["per_layer", "per_step"])
-def test_unrolled_decode_step_updates_rings_and_summaries_in_place(bridge):
-  """XLA copies a whole [L, ...] state array when a value read from it before its update (or
-  read by nothing that orders it before the next layer's update) is still live: per layer and
-  step, the rings and page summaries are the largest arrays of the state (537 MB per sequence
-  at 8B shapes and 128K). The compiled step must not copy them."""
+def _compiled_step(model, options, prompt_len=53):
+  """(optimized HLO text of one unrolled decode step, the prefilled state it was compiled for)."""
   import dataclasses
-  import re
 
   import jax
 
@@ -312,22 +307,51 @@ def test_unrolled_decode_step_updates_rings_and_summaries_in_place(bridge):
   from models.decoder import decode_layout
   from models.rope import rope_tables
 
-  base = tiny_model("llama")
-  model = dataclasses.replace(base, params=decode_layout(base.params, unroll=True))  # layers: Python ints
-  options = SMALL | dict(budget=4 + 8 + 4 * 3, bridge=bridge, dense_layers=())
-  context = kvjax.prefill(model, [random_prompt(53)], max_new_tokens=4, policy="freekv", policy_options=options)
+  model = dataclasses.replace(model, params=decode_layout(model.params, unroll=True))  # layers: Python ints
+  context = kvjax.prefill(model, [random_prompt(prompt_len)], max_new_tokens=4, policy="freekv",
+                          policy_options=options)
   try:
     state, cfg = context.state, model.cfg
     rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))
     step = jax.jit(engine.decode_step.__wrapped__, static_argnames=("cfg", "policy", "sampling"),
                    donate_argnames=("state",))
-    hlo = step.lower(model.params, rope, jnp.zeros((1,), jnp.int32), jnp.asarray([53], jnp.int32), state,
+    hlo = step.lower(model.params, rope, jnp.zeros((1,), jnp.int32), jnp.asarray([prompt_len], jnp.int32), state,
                      jax.random.key(0), cfg=cfg, policy=context.policy, sampling=SamplingConfig()).compile().as_text()
-    copied = {tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(r"= f32\[([\d,]+)\]\S* copy\(", hlo)}
-    for name in ("ring_k", "ring_v", "kmax", "kmin"):
-      assert tuple(getattr(state, name).shape) not in copied, name
+    return hlo, jax.tree.map(lambda x: x.shape, state)
   finally:
     context.close()
+
+
+def test_per_step_layer_costs_few_operations():
+  """per_step's sparse layer only writes its ring and attends (after_layers does the rest once):
+  the compiled CPU step grows by ~43 top-level operations per layer (111 before after_layers).
+  A ceiling, so a change that puts per-layer work back into the loop shows here."""
+  import re
+
+  def entry_ops(layers):
+    hlo, _ = _compiled_step(tiny_model("llama", num_layers=layers), SMALL | dict(
+        budget=4 + 8 + 4 * 3, bridge="per_step", dense_layers=()))
+    entry = hlo[hlo.index("ENTRY"):]
+    entry = entry[:entry.index("\n}\n")]
+    skip = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
+    return sum(1 for m in re.finditer(r"= \S+ ([\w-]+)\(", entry) if m.group(1) not in skip)
+
+  per_layer = (entry_ops(6) - entry_ops(2)) / 4
+  assert 0 < per_layer <= 46, per_layer
+
+
+@pytest.mark.parametrize("bridge", ["per_layer", "per_step"])
+def test_unrolled_decode_step_updates_rings_and_summaries_in_place(bridge):
+  """XLA copies a whole [L, ...] state array when a value read from it before its update (or
+  read by nothing that orders it before the next layer's update) is still live: per layer and
+  step, the rings and page summaries are the largest arrays of the state (537 MB per sequence
+  at 8B shapes and 128K). The compiled step must not copy them."""
+  import re
+
+  hlo, shapes = _compiled_step(tiny_model("llama"), SMALL | dict(budget=4 + 8 + 4 * 3, bridge=bridge, dense_layers=()))
+  copied = {tuple(int(d) for d in m.group(1).split(",")) for m in re.finditer(r"= f32\[([\d,]+)\]\S* copy\(", hlo)}
+  for name in ("ring_k", "ring_v", "kmax", "kmin"):
+    assert tuple(getattr(shapes, name)) not in copied, name
 
 
 @pytest.mark.parametrize("lag", [1, 2])

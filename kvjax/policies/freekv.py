@@ -321,11 +321,29 @@ def _first_selection(
   [L, B, Hkv, n])."""
 
   def one_layer(q, hi, lo, ids):
-    pooled = page_scores(q, hi, lo, num_candidates, scale=scale)
-    selection = top_pages(pooled, n_sel)
-    return (selection,) + plan_recall(ids, selection, pooled, max_recall)
+    selection, plan = select_and_plan(q, hi, lo, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
+                                      scale=scale)
+    return (selection,) + plan
 
   return jax.vmap(one_layer)(prev_q, kmax, kmin, pool_ids)
+
+
+def select_and_plan(
+    q,  # [B, Hq, D]: the query that selects
+    kmax,  # [B, Hkv, N, D]
+    kmin,  # [B, Hkv, N, D]
+    num_candidates,  # [B] int32
+    pool_ids,  # [B, Hkv, n] int32: the pool the plan fills
+    *,
+    n_sel: int,
+    max_recall: int,
+    scale: float,
+):
+  """One layer's selection [B, Hkv, n_sel] and its recall plan, plan_recall's (fetch, slots,
+  pool ids after it)."""
+  pooled = page_scores(q, kmax, kmin, num_candidates, scale=scale)
+  selection = top_pages(pooled, n_sel)
+  return selection, plan_recall(pool_ids, selection, pooled, max_recall)
 
 
 @jax.jit
@@ -470,6 +488,16 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     now (lag 1: before this step's eviction)."""
     return jnp.maximum(pos - self.lag - self.window - self.sinks + 1, 0) // self.page_size
 
+  def _sparse_layer_mask(self, cfg: ModelConfig):
+    """[L] bool: the layers freekv attends sparsely."""
+    return jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(cfg.num_layers)])
+
+  def _evicted(self, pos):
+    """The token leaving the window at position `pos` ([B]): (its position, whether it is a
+    stored one (past the sinks), its ring slot), each [B]."""
+    ev_pos = pos - self.window
+    return ev_pos, ev_pos >= self.sinks, self.sinks + (ev_pos - self.sinks) % self.ring_len
+
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
     if self.bridge == "per_step":
@@ -592,7 +620,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     recalls them, so the first decode step attends pages already resident. With lag 2 a second
     selection (over one page more) is gathered too and lands after the first step, as step t's
     recall lands after step t + 1."""
-    sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(cfg.num_layers)])
+    sparse = self._sparse_layer_mask(cfg)
     only_sparse = lambda x: jnp.where(sparse[:, None, None, None], x, -1)
     runtime = self.runtime(state)
     ids = state.pool_ids
@@ -710,13 +738,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     pos = positions[:, 0]  # [B]
     B = pos.shape[0]
     b = jnp.arange(B, dtype=jnp.int32)
-    sparse = jnp.asarray([l not in self.dense_layer_ids(cfg) for l in range(L)])  # [L]
-    per_layer = lambda mask, x: mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+    sparse = self._sparse_layer_mask(cfg)
+    by_layer = lambda mask, x: mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
 
     # The token at p - W left every window; each layer's ring still holds it (only slot p was written).
-    ev_pos = pos - W
-    has_ev = ev_pos >= S
-    ev_slot = S + (ev_pos - S) % self.ring_len
+    ev_pos, has_ev, ev_slot = self._evicted(pos)
     ev_k = jnp.moveaxis(state.ring_k[:, b, :, ev_slot], 0, 1)  # [L, B, H, D]
     ev_v = jnp.moveaxis(state.ring_v[:, b, :, ev_slot], 0, 1)
     stored = sparse[:, None] & has_ev[None, :]  # [L, B]
@@ -729,9 +755,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
     def one_layer(q, prev_q, primed, hi, lo, prev_sel, pool_ids, promised):
-      pooled = page_scores(q, hi, lo, c_now, scale=cfg.attn_scale)
-      selection = top_pages(pooled, n)
-      fetch, fetch_slots, promised = plan_recall(promised, selection, pooled, R)
+      selection, (fetch, fetch_slots, promised) = select_and_plan(
+          q, hi, lo, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale)
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
@@ -744,7 +769,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
     selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
         state.step_q, state.prev_q, state.primed, kmax, kmin, state.selection, state.pool_ids, state.promised_ids)
-    keep = lambda new, old: jnp.where(per_layer(sparse, new), new, old)  # dense layers keep "nothing"
+    keep = lambda new, old: jnp.where(by_layer(sparse, new), new, old)  # dense layers keep "nothing"
     return state.replace(
         kmax=kmax, kmin=kmin, primed=state.primed | sparse,
         # Swapped: prev_q takes this step's queries; step_q's stale ones are rewritten next step.
@@ -808,9 +833,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       o, _ = ops.merge_partials([ring, resident])
       return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
-    ev_pos = pos - W
-    has_ev = ev_pos >= S
-    ev_slot = S + (ev_pos - S) % ring_len
+    ev_pos, has_ev, ev_slot = self._evicted(pos)
     ev_k = ring_k[layer, b, :, ev_slot]  # [B, H, D] (unused where has_ev is false)
     ev_v = ring_v[layer, b, :, ev_slot]
     evicted_pos = jnp.where(has_ev, ev_pos, -1)
@@ -845,9 +868,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     fetch, new_ids, sel_next = fetch_a, pool_ids_a, sel_now
     if self.speculative:
       # The next step's selection: q_t over the pages complete after this step's eviction.
-      pooled_next = page_scores(q0, kmax[layer], kmin[layer], c_now, scale=cfg.attn_scale)
-      sel_next = top_pages(pooled_next, n)
-      fetch_b, slots_b, new_ids = plan_recall(pool_ids_a, sel_next, pooled_next, R)
+      sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(
+          q0, kmax[layer], kmin[layer], c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale)
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.
