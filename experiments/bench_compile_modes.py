@@ -4,7 +4,7 @@
         --policies=full,freekv_step
 
 Modes (default three): `unrolled_cb_off` (unrolled layers, XLA command buffers off: kvjax.engine's
-choice for unrolled layers unless the policy is launch-bound), `unrolled_cb_on` (unrolled, XLA's
+choice for unrolled layers), `unrolled_cb_on` (unrolled, XLA's
 default command buffers) and `stacked` (stacked layers under lax.scan, XLA defaults); on request,
 `unrolled_cb_*` variants with XLA's command-buffer update and graph-size options (MODES). For each mode,
 policy and batch a context of random token ids is prefilled and `--steps` steps decoded through a
@@ -75,7 +75,7 @@ def measure(model, mode: str, key: str, batch: int) -> dict:
   prompts = [[int(t) for t in rng.integers(0, model.cfg.vocab_size, size=FLAGS.context_len)] for _ in range(batch)]
   context = kvjax.prefill(model, prompts, max_new_tokens=FLAGS.steps + 2, policy=name, policy_options=options,
                           prefill_chunk=4096)
-  cfg, policy, state = model.cfg, context.policy, context.state
+  cfg, policy, state = model.cfg, context.policy, engine.committed(context.state)
   context.state = None
   rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))
   step = step_fn(mode)

@@ -9,9 +9,10 @@ command buffer, so an unrolled step becomes dozens of small graphs between them,
 those cost more than plain kernel launches: on the H200 a Llama-3-8B-shaped step at 128K took
 12.7 ms with command buffers and 10.5 ms without; under `lax.scan` (one while loop) they help
 instead (SmolLM2 at 32K: 2.8 vs 6.1 ms), so stacked layers keep XLA's default
-(experiments/results/command_buffers/README.md). A policy whose step is launch-bound
-(`AttentionPolicy.launch_bound_step`: ~60 small kernels per layer, each launch ~10-14 µs of
-host time against a few µs of device work) keeps command buffers on unrolled layers too.
+(experiments/results/command_buffers/README.md). This holds for freekv's per_step step too
+since its per-layer work shrank (8B shapes, 8K: 11.3 ms off vs 14.2 on at batch 1, 9.1 vs 12.4
+at batch 4), and none of XLA's command-buffer options closed the gap
+(experiments/results/bench_compile_modes_8b_8k_cb_knobs.md).
 """
 
 from __future__ import annotations
@@ -30,19 +31,32 @@ from models.decoder import decoder_layer, embed, final_norm, logits_from_hidden
 _NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def _jit_by_layout(fn, *, decode: bool = False, **jit_kwargs):
-  """`fn` jitted with XLA defaults for stacked layers (or, for a `decode` step, a launch-bound
-  policy) and with command buffers off otherwise; calls dispatch on the type of
-  params["layers"] (first argument) and on the `policy` keyword."""
+def _jit_by_layout(fn, **jit_kwargs):
+  """`fn` jitted with XLA defaults for stacked layers and with command buffers off for unrolled
+  ones; calls dispatch on the type of params["layers"] (first argument). `call.jits` are the
+  two jits (for tests counting compiles)."""
   defaults = jax.jit(fn, **jit_kwargs)
   unrolled = jax.jit(fn, compiler_options=_NO_COMMAND_BUFFERS, **jit_kwargs)
 
   @functools.wraps(fn)
   def call(params, *args, **kwargs):
-    plain = isinstance(params["layers"], (list, tuple)) and not (decode and kwargs["policy"].launch_bound_step)
-    return (unrolled if plain else defaults)(params, *args, **kwargs)
+    unrolled_layers = isinstance(params["layers"], (list, tuple))
+    return (unrolled if unrolled_layers else defaults)(params, *args, **kwargs)
 
+  call.jits = (defaults, unrolled)
   return call
+
+
+def committed(state):
+  """`state` with every array committed to the device(s) it is on (no copy).
+
+  A jitted step's compile key includes whether each argument is committed. Arrays made by
+  jnp ops are not; those a policy writes between steps from a `jax.device_put` to a device
+  (freekv's and retrieval's row updates) are, and so is what a step computes from them. A
+  state mixing the two compiled the decode step a second time at its second step (8.4 s
+  at 8B shapes, 128K, freekv per_step). Committing it before the first step keeps one compile.
+  """
+  return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
 
 
 def prefill_chunk(
@@ -144,5 +158,5 @@ def decode_step(
   return sample(logits, key, sampling), logits, state
 
 
-decode_step = _jit_by_layout(decode_step, decode=True, static_argnames=("cfg", "policy", "sampling"),
+decode_step = _jit_by_layout(decode_step, static_argnames=("cfg", "policy", "sampling"),
                              donate_argnames=("state",))

@@ -347,7 +347,7 @@ def _check_stop_when(stop_when) -> None:
 
 def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, return_logits,
             on_step) -> GenerationResult:
-  cfg, attention, state = model.cfg, context.policy, context.state
+  cfg, attention, state = model.cfg, context.policy, engine.committed(context.state)
   context.state = None  # donated below
   batch = len(context.prompt_lengths)
   rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))

@@ -37,9 +37,6 @@ class AttentionPolicy(abc.ABC):
   takes_written_prompt = False
   reads_prompt_queries = False
   stages_prefill = False  # see HostBackedMixin
-  # Whether a decode step with unrolled layers is bound by launching many small kernels rather
-  # than by device time: kvjax.engine then keeps XLA's command buffers for it (see there).
-  launch_bound_step = False
 
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:

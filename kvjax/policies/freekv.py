@@ -69,15 +69,16 @@ priming exchange after prefill recalls the first selection, made with the prompt
 
 Where per_step's time goes (H200, 8B shapes, experiments/results/bench_compile_modes_8b_8k.md and
 bench_scale_8b_synthetic_128k_step_cb.md). Its step ran ~57 small kernels per sparse layer, so
-with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GPU's work: the
-policy is `launch_bound_step`, and kvjax.engine keeps XLA's command buffers for it (24.6 -> 17.8
-ms at 8K, batch 1). Since then a sparse layer only writes its ring and attends (ring and pool);
+with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GPU's work, and
+XLA's command buffers helped (24.6 -> 17.8 ms at 8K, batch 1). Since then a sparse layer only writes its ring and attends (ring and pool);
 what feeds the host alone (summaries, the next selection, its plan, the counters) is computed
 once for all layers after the last one (`after_layers`), and its ring is one kernel call over
 two intervals (ops.partial_attention's starts2/lengths2): in the CPU program of a 6-layer test
 model, 111 -> 43 operations per layer. The exchange gathers every page in one C call
 (`fetch_pages_many`) and does not wait for its copy: the copy overlaps the next step's launch
-(`sync_transfer` waits).
+(`sync_transfer` waits). With the per-layer work this small, command buffers no longer pay
+(11.3 ms off vs 14.2 on at 8K, batch 1, lag 2: bench_compile_modes_8b_8k_cb_knobs.md), and the
+step is compiled like every other policy's.
 
 lag=2 (per_step): the exchange of step t's outputs runs on a host thread while step t + 1 runs,
 and lands (its scatter) before step t + 2, which attends it. The device plans slots against
@@ -461,12 +462,6 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError("lag=2 needs bridge='per_step' (per_layer recalls inside the step)")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
-
-  @property
-  def launch_bound_step(self) -> bool:
-    # per_step's unrolled step launched ~1830 small kernels (8B shapes, 8K, batch 1: 24.6 ms of
-    # host launch for ~7 ms of device work); command buffers cut it to 17.8 ms.
-    return self.bridge == "per_step"
 
   @property
   def n_sel(self) -> int:
