@@ -1,0 +1,179 @@
+"""Which page summary keeps a needle's page: freekv's min/max bound against quantized keys.
+
+freekv (and quest) choose pages by an upper bound of q·k from each page's per-channel key
+max and min (`kvjax.policies.freekv.page_scores`). On RULER samples this study captures the
+real post-RoPE queries and keys under full attention (experiments/recall.py's capture), then,
+at every decode step, layer and KV head, scores the complete pages between the sinks and the
+window with each variant below, pools them over the GQA group as freekv does (softmax per
+query head, mean over the group), keeps the top `--pages`, and reports:
+
+- recovery: the share of full attention's mass on the candidate pages that the kept pages
+  hold (mean over steps, layers and KV heads);
+- retrieval heads: the (step, layer, KV head) cases where some query head of the group puts
+  more than `--needle_share` of its whole attention on the page holding the answer's first
+  token, and how often each variant does not keep that page.
+
+Variants: `minmax` (freekv's bound; checked against page_scores itself), `minmax_sub8` (the
+same bound over 8-token sub-pages, max over them), `keys{1,2,4}bit` (every key quantized per
+channel to 1/2/4 bits over the candidate range; page score = max over its tokens of q·k̂),
+`oracle` (max of the exact q·k). Device memory per token and KV head, against bf16 K+V
+(4·D bytes): min/max 1/32, 2-bit keys 1/16, 4-bit keys 1/8.
+
+    python experiments/page_scores.py --task=niah_single_2 --length=4096 --seeds=30,31,32,33
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import recall  # noqa: E402  (its capture; it defines flags of some of the names below)
+import results_io  # noqa: E402
+
+_O = {"allow_override": True}
+
+flags.DEFINE_string("model", "smollm2", "Model name (kvjax.load_model).", **_O)
+flags.DEFINE_string("task", "niah_single_2", "A kvjax.eval task with one answer in the context.", **_O)
+flags.DEFINE_integer("length", 4096, "Prompt text tokens.", **_O)
+flags.DEFINE_list("seeds", ["30", "31", "32", "33"], "Sample seeds.", **_O)
+flags.DEFINE_integer("steps", 8, "Greedy decode steps captured per sample.", **_O)
+flags.DEFINE_integer("page_size", 32, "Tokens per page (freekv's default).", **_O)
+flags.DEFINE_integer("sinks", 512, "First tokens kept on the device (freekv's default).", **_O)
+flags.DEFINE_integer("window", 512, "Last tokens kept on the device (freekv's default).", **_O)
+flags.DEFINE_integer("pages", 32, "Pages kept per KV head (freekv's default budget: 32).", **_O)
+flags.DEFINE_float("needle_share", 0.3, "Attention share on the answer's page that marks a retrieval head.", **_O)
+flags.DEFINE_string("out_dir", None, "Results directory.", **_O)
+flags.DEFINE_string("name", "page_scores_smollm2_4k_niah2", "Results stem.", **_O)
+FLAGS = flags.FLAGS
+
+VARIANTS = ("minmax", "minmax_sub8", "keys1bit", "keys2bit", "keys4bit", "oracle")
+
+
+def softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def quantized(x, bits: int, lo, hi):
+  """x rounded per channel to 2**bits levels over [lo, hi], dequantized."""
+  levels = 2**bits - 1
+  code = np.clip(np.round((x - lo) / np.maximum(hi - lo, 1e-9) * levels), 0, levels)
+  return lo + code / levels * (hi - lo)
+
+
+def variant_scores(qg, pages, scale: float) -> dict:
+  """Per-query-head page scores {variant: [G, N]} for queries qg [G, D] and pages [N, P, D]."""
+  bound = lambda hi, lo: scale * (np.maximum(qg, 0) @ hi.T + np.minimum(qg, 0) @ lo.T)
+  n, p, d = pages.shape
+  sub = pages.reshape(n * p // 8, 8, d)
+  out = {"minmax": bound(pages.max(1), pages.min(1)),
+         "minmax_sub8": bound(sub.max(1), sub.min(1)).reshape(len(qg), n, p // 8).max(-1)}
+  flat = pages.reshape(-1, d)
+  lo, hi = flat.min(0), flat.max(0)
+  for bits in (1, 2, 4):
+    out[f"keys{bits}bit"] = (scale * (quantized(flat, bits, lo, hi) @ qg.T)).T.reshape(len(qg), n, p).max(-1)
+  out["oracle"] = (scale * (flat @ qg.T)).T.reshape(len(qg), n, p).max(-1)
+  return out
+
+
+def answer_token(tokenizer, ids: list[int], answer: str) -> int:
+  """Index of the prompt token holding the answer's first character (its first occurrence)."""
+  ends = np.cumsum([len(tokenizer.decode([t])) for t in ids])
+  at = "".join(tokenizer.decode([t]) for t in ids).find(answer)
+  if at < 0:
+    raise ValueError(f"answer {answer!r} is not in the prompt's tokens")
+  return int(np.searchsorted(ends, at, side="right"))
+
+
+def check_against_freekv(qg, pages, scale: float, pooled) -> None:
+  """The NumPy min/max pooling equals kvjax.policies.freekv.page_scores on this case."""
+  import jax.numpy as jnp
+
+  from kvjax.policies.freekv import page_scores
+
+  got = page_scores(jnp.asarray(qg[None]), jnp.asarray(pages.max(1)[None, None]),
+                    jnp.asarray(pages.min(1)[None, None]), jnp.asarray([len(pages)]), scale=scale)
+  np.testing.assert_allclose(np.asarray(got)[0, 0], pooled, rtol=1e-4, atol=1e-6)
+
+
+def study_sample(model, seed: int) -> list[dict]:
+  from kvjax.eval import tasks
+  from kvjax.eval.runner import prompt_ids
+
+  sample = tasks.make_sample(FLAGS.task, model.tokenizer, length=FLAGS.length, seed=seed)
+  ids = prompt_ids(model.tokenizer, sample)
+  q, k, generated, _ = recall.capture_vectors(model, ids, decode_steps=FLAGS.steps)
+  q, k = q.astype(np.float32), k.astype(np.float32)  # [L, Hq, T, D], [L, Hkv, T, D]
+  L, Hq, _, D = q.shape
+  Hkv, G, n = k.shape[1], Hq // k.shape[1], len(ids)
+  P, S, W = FLAGS.page_size, FLAGS.sinks, FLAGS.window
+  needle_page = (answer_token(model.tokenizer, ids, sample.answers[0]) - S) // P
+  scale = model.cfg.attn_scale
+  tally = {v: dict(recovery=[], cases=0, missed=0, ranks=[]) for v in VARIANTS}
+  checked = False
+  for t in range(FLAGS.steps):
+    pos = n + t  # decode step t's query; it attends keys 0..pos
+    num_pages = (pos - W - S) // P  # complete pages before the window
+    for layer in range(L):
+      if model.cfg.layer_windows[layer]:
+        continue  # sliding-window layers stay dense in freekv
+      for h in range(Hkv):
+        qg, keys = q[layer, h * G:(h + 1) * G, pos], k[layer, h, :pos + 1]
+        pages = keys[S:S + num_pages * P].reshape(num_pages, P, D)
+        mass = softmax(scale * qg @ keys.T)[:, S:S + num_pages * P].reshape(G, num_pages, P).sum(-1)
+        retrieval_head = 0 <= needle_page < num_pages and mass[:, needle_page].max() > FLAGS.needle_share
+        for v, s in variant_scores(qg, pages, scale).items():
+          pooled = softmax(s).mean(0)
+          if v == "minmax" and not checked:
+            check_against_freekv(qg, pages, scale, pooled)
+            checked = True
+          kept = np.argsort(-pooled)[:FLAGS.pages]
+          tally[v]["recovery"].append(mass[:, kept].sum() / max(mass.sum(), 1e-30))
+          if retrieval_head:
+            rank = int((pooled > pooled[needle_page]).sum())
+            tally[v]["cases"] += 1
+            tally[v]["missed"] += rank >= FLAGS.pages
+            tally[v]["ranks"].append(rank)
+  text = model.tokenizer.decode(generated.tolist())
+  return [dict(seed=seed, variant=v, full_generation=text, full_correct=sample.answers[0] in text,
+               needle_page=needle_page, recovery=round(float(np.mean(r["recovery"])), 4),
+               retrieval_head_cases=r["cases"], needle_page_missed=r["missed"],
+               median_needle_rank=float(np.median(r["ranks"])) if r["ranks"] else None)
+          for v, r in tally.items()]
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+  out = []
+  for v in VARIANTS:
+    mine = [r for r in rows if r["variant"] == v]
+    cases = sum(r["retrieval_head_cases"] for r in mine)
+    missed = sum(r["needle_page_missed"] for r in mine)
+    out.append(dict(variant=v, samples=len(mine), recovery=round(float(np.mean([r["recovery"] for r in mine])), 4),
+                    retrieval_head_cases=cases, needle_page_missed=missed,
+                    missed_share=round(missed / cases, 3) if cases else None))
+  return out
+
+
+def main(argv):
+  del argv
+  import kvjax
+
+  results_io.commit()
+  model = kvjax.load_model(FLAGS.model, dtype="float32")
+  rows = []
+  for seed in (int(s) for s in FLAGS.seeds):
+    rows += study_sample(model, seed)
+    print(*[f"{r['variant']}: recovery {r['recovery']}, missed {r['needle_page_missed']}/{r['retrieval_head_cases']}"
+            for r in rows[-len(VARIANTS):]], sep="\n", flush=True)
+    results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=__doc__.split("\n\n")[1],
+                             summary=summarize(rows))
+
+
+if __name__ == "__main__":
+  app.run(main)
