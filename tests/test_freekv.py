@@ -177,6 +177,7 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(sync_transfer="yes"), "sync_transfer='yes'"),
     (dict(lag=3, bridge="per_step"), "lag=3"),
     (dict(lag=2), "lag=2 needs bridge='per_step'"),
+    (dict(page_summary="keys3"), "page_summary='keys3'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -415,3 +416,88 @@ def test_per_step_decode_compiles_its_step_once(lag):
   before = compiles()
   run(budget=4 + 8 + 4 * 7, tau=0.75, bridge="per_step", lag=lag)  # options no other test uses: a new entry
   assert compiles() - before == 1
+
+
+# -- page summaries of quantized keys (kvjax.policies.page_summary) ---------------------------
+
+
+def test_key_scores_match_a_numpy_reference():
+  from kvjax.policies import page_summary
+
+  rng = np.random.default_rng(0)
+  B, H, G, N, P, D = 2, 2, 3, 5, 4, 16
+  keys = rng.standard_normal((B, H, N * P, D)).astype(np.float32)
+  q = rng.standard_normal((B, H * G, D)).astype(np.float32)
+  for bits in (2, 4):
+    lo, step = page_summary.key_range(jnp.asarray(keys), jnp.ones((B, 1, N * P, 1), bool), bits)
+    lo, step = np.asarray(lo), np.asarray(step)
+    np.testing.assert_allclose(lo, keys.min(2), rtol=1e-6)
+    np.testing.assert_allclose(step, (keys.max(2) - keys.min(2)) / (2**bits - 1), rtol=1e-5)
+    packed = page_summary.quantize(jnp.asarray(keys), lo[:, :, None], step[:, :, None], bits)
+    assert packed.shape == (B, H, N * P, D * bits // 8) and packed.dtype == jnp.uint8
+    code = np.clip(np.round((keys - lo[:, :, None]) / step[:, :, None]), 0, 2**bits - 1)
+    np.testing.assert_array_equal(np.asarray(page_summary.unpack(packed, bits)), code)
+    k_hat = lo[:, :, None] + code * step[:, :, None]  # [B, H, N * P, D]
+    exact = np.einsum("bhgd,bhtd->bhgt", q.reshape(B, H, G, D), k_hat).reshape(B, H, G, N, P).max(-1) * 0.25
+    got = page_summary.key_scores(jnp.asarray(q), packed.reshape(B, H, N, P, -1), jnp.asarray(lo), jnp.asarray(step),
+                                  scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-4, atol=1e-4)
+    assert np.abs(k_hat - keys).max() <= step.max() / 2 + 1e-5  # within half a level
+
+
+@pytest.mark.parametrize("summary, bridge, lag", [("keys2", "per_layer", 1), ("keys4", "per_step", 2)])
+def test_key_summaries_equal_full_when_budget_covers_the_context(summary, bridge, lag):
+  full = full_run()
+  sparse = run(budget=COVERING, page_summary=summary, bridge=bridge, lag=lag)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.tokens == full.tokens
+  assert "4-bit keys" in sparse.policy if summary == "keys4" else "2-bit keys" in sparse.policy
+
+
+def test_key_codes_hold_every_stored_key_and_select_the_next_pages():
+  """After the prefill each sparse layer's codes quantize its stored prompt keys over their
+  range; a decode step adds the token leaving the window at its page and offset; the next
+  selection is top_pages of pooled_scores over those codes."""
+  import jax
+
+  from kvjax.policies import page_summary
+  from kvjax.policies.freekv import pooled_scores
+  from kvjax.sampling import SamplingConfig
+  from models.rope import rope_tables
+
+  model, n, bits = tiny_model("llama"), 58, 2  # the token leaving the window sits at offset 2 of its page
+  S, W, P = SMALL["sinks"], SMALL["window"], SMALL["page_size"]
+  dense = kvjax.prefill(model, [random_prompt(n)], max_new_tokens=4)
+  keys = np.asarray(dense.state.k)[:, 0]  # [L, Hkv, capacity, D]: the prompt's keys
+  dense.close()
+  options = SMALL | dict(budget=4 + 8 + 4 * 3, bridge="per_step", dense_layers=(0,), page_summary=f"keys{bits}")
+  context = kvjax.prefill(model, [random_prompt(n)], max_new_tokens=4, policy="freekv", policy_options=options)
+  try:
+    policy, cfg = context.policy, model.cfg
+    before = jax.tree.map(np.asarray, context.state)
+    assert before.kmax.shape[3] == 0 and before.kcodes.dtype == np.uint8
+    stored = keys[1, :, S:n - W]  # layer 1 is sparse
+    np.testing.assert_allclose(before.klo[1, 0], stored.min(1), rtol=1e-6)
+    np.testing.assert_allclose(before.kstep[1, 0], (stored.max(1) - stored.min(1)) / 3, rtol=1e-5)
+    codes = np.asarray(page_summary.unpack(jnp.asarray(before.kcodes[1, 0]), bits)).reshape(2, -1, keys.shape[-1])
+    want = np.clip(np.round((stored - before.klo[1, 0][:, None]) / before.kstep[1, 0][:, None]), 0, 3)
+    np.testing.assert_array_equal(codes[:, :stored.shape[1]], want)
+    assert not codes[:, stored.shape[1]:].any()  # slots of tokens not stored yet
+    rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, context.capacity))
+    _, _, state = engine.decode_step(model.params, rope, jnp.zeros((1,), jnp.int32), jnp.asarray([n], jnp.int32),
+                                     context.state, jax.random.key(0), cfg=cfg, policy=policy,
+                                     sampling=SamplingConfig())
+    after = jax.tree.map(np.asarray, state)
+    ev_pos = n - W
+    page, offset = (ev_pos - S) // P, (ev_pos - S) % P
+    ev_k = after.ring_k[1, 0, :, S + (ev_pos - S) % policy.ring_len]  # [Hkv, D]
+    got = np.asarray(page_summary.unpack(jnp.asarray(after.kcodes[1, 0, :, page, offset]), bits))
+    np.testing.assert_array_equal(got, np.clip(np.round((ev_k - before.klo[1, 0]) / before.kstep[1, 0]), 0, 3))
+    changed = np.argwhere(after.kcodes != before.kcodes)
+    assert {(l, p, o) for l, _, _, p, o, _ in changed} <= {(1, page, offset)}
+    summary = (jnp.asarray(after.kcodes[1]), jnp.asarray(after.klo[1]), jnp.asarray(after.kstep[1]))
+    c_now = jnp.asarray([(n - W - S + 1) // P], jnp.int32)
+    pooled = pooled_scores(jnp.asarray(after.prev_q[1]), summary, c_now, scale=cfg.attn_scale)
+    np.testing.assert_array_equal(after.selection[1], top_pages(pooled, policy.n_sel))
+  finally:
+    context.close()

@@ -111,6 +111,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import freekv_host, row_update
+from kvjax.policies import page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense
@@ -125,6 +126,11 @@ class FreeKVState:
   ring_v: jax.Array  # [L, B, Hkv, sinks + window + page_size, D]
   kmax: jax.Array  # [L, B, Hkv, max_pages, D]: per store page max of the keys
   kmin: jax.Array  # [L, B, Hkv, max_pages, D]: per store page min of the keys
+  # page_summary "keys<bits>" (then kmax/kmin have no pages; with "minmax" these are empty):
+  # every store key quantized per channel, packed (kvjax.policies.page_summary), and its range.
+  kcodes: jax.Array  # [L, B, Hkv, max_pages, P, D // (8 // bits)] uint8
+  klo: jax.Array  # [L, B, Hkv, D] float32: a code's zero
+  kstep: jax.Array  # [L, B, Hkv, D] float32: one code level
   pool_k: jax.Array  # [L, B, Hkv, n_sel, page_size, D]: recalled pages
   pool_v: jax.Array  # [L, B, Hkv, n_sel, page_size, D]
   pool_ids: jax.Array  # [L, B, Hkv, n_sel] int32: store page in each slot, -1 empty
@@ -168,18 +174,25 @@ def page_scores(
     *,
     scale: float,
 ):
-  """Group-pooled page scores [B, Hkv, N] float32; -inf for non-candidates.
+  """Group-pooled page scores [B, Hkv, N] float32 from min/max summaries; -inf for non-candidates.
 
   Per query head: softmax over the candidates of scale · Σ_d max(q_d·max_d, q_d·min_d); then
   the mean over the GQA group of each KV head.
   """
-  B, Hq, D = q.shape
-  _, H, N, _ = kmax.shape
-  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
-  hp = jax.lax.Precision.HIGHEST
-  # Σ_d max(q_d·max_d, q_d·min_d) = relu(q)·max + min(q, 0)·min (max_d >= min_d).
-  s = (jnp.einsum("BHGD,BHND->BHGN", jnp.maximum(qg, 0), kmax.astype(jnp.float32), precision=hp)
-       + jnp.einsum("BHGD,BHND->BHGN", jnp.minimum(qg, 0), kmin.astype(jnp.float32), precision=hp)) * scale
+  return pooled_scores(q, (kmax, kmin), num_candidates, scale=scale)
+
+
+def pooled_scores(
+    q,  # [B, Hq, D] unscaled
+    summary: tuple,  # one layer's (kmax, kmin) or (codes, lo, step): kvjax.policies.page_summary
+    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
+    *,
+    scale: float,
+):
+  """Group-pooled page scores [B, Hkv, N] float32 (softmax over the candidates per query head,
+  mean over the group); -inf for non-candidates."""
+  s = page_summary.scores(q, summary, scale=scale)  # [B, Hkv, G, N]
+  N = s.shape[-1]
   cand = jnp.arange(N)[None, :] < num_candidates[:, None]  # [B, N]
   mask = cand[:, None, None, :]
   s = jnp.where(mask, s, -jnp.inf)
@@ -284,6 +297,29 @@ def _prompt_summaries(
   return jnp.where(some, lo, jnp.inf).astype(k.dtype), jnp.where(some, hi, -jnp.inf).astype(k.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages", "bits"))
+def _prompt_codes(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    *,
+    sinks: int,
+    page_size: int,
+    num_pages: int,
+    bits: int,
+):
+  """The stored keys quantized over their own per-channel range: (codes [B, Hkv, num_pages,
+  page_size, D // (8 // bits)] uint8, lo [B, Hkv, D], step [B, Hkv, D]); empty slots hold code 0."""
+  B, H, cap, D = k.shape
+  need = sinks + num_pages * page_size
+  if need > cap:
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - cap), (0, 0)))
+  stored = k[:, :, sinks:need]  # [B, H, N * P, D]
+  valid = (jnp.arange(num_pages * page_size)[None] < host_len[:, None])[:, None, :, None]  # [B, 1, N*P, 1]
+  lo, step = page_summary.key_range(stored, valid, bits)
+  codes = jnp.where(valid, page_summary.quantize(stored, lo[:, :, None], step[:, :, None], bits), 0)
+  return codes.reshape(B, H, num_pages, page_size, -1), lo, step
+
+
 def _done(value):
   """A completed future holding `value`."""
   future = concurrent.futures.Future()
@@ -308,8 +344,7 @@ def _keep_last_query(
 @functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale"))
 def _first_selection(
     prev_q,  # [L, B, Hq, D] float32: the prompt's last query per layer
-    kmax,  # [L, B, Hkv, N, D]
-    kmin,  # [L, B, Hkv, N, D]
+    summary: tuple,  # every layer's page summary (leading axis L)
     pool_ids,  # [L, B, Hkv, n] int32
     num_candidates,  # [B] int32: pages complete before the first decode step's eviction
     *,
@@ -321,18 +356,17 @@ def _first_selection(
   fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
   [L, B, Hkv, n])."""
 
-  def one_layer(q, hi, lo, ids):
-    selection, plan = select_and_plan(q, hi, lo, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
+  def one_layer(q, layer_summary, ids):
+    selection, plan = select_and_plan(q, layer_summary, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
                                       scale=scale)
     return (selection,) + plan
 
-  return jax.vmap(one_layer)(prev_q, kmax, kmin, pool_ids)
+  return jax.vmap(one_layer)(prev_q, summary, pool_ids)
 
 
 def select_and_plan(
     q,  # [B, Hq, D]: the query that selects
-    kmax,  # [B, Hkv, N, D]
-    kmin,  # [B, Hkv, N, D]
+    summary: tuple,  # one layer's page summary (pooled_scores)
     num_candidates,  # [B] int32
     pool_ids,  # [B, Hkv, n] int32: the pool the plan fills
     *,
@@ -342,7 +376,7 @@ def select_and_plan(
 ):
   """One layer's selection [B, Hkv, n_sel] and its recall plan, plan_recall's (fetch, slots,
   pool ids after it)."""
-  pooled = page_scores(q, kmax, kmin, num_candidates, scale=scale)
+  pooled = pooled_scores(q, summary, num_candidates, scale=scale)
   selection = top_pages(pooled, n_sel)
   return selection, plan_recall(pool_ids, selection, pooled, max_recall)
 
@@ -401,6 +435,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     sync_transfer: per_step only: wait for each exchange's copy to land before the next step is
       launched (the stats then time the copy alone); by default it overlaps that launch.
     dense_layers: layers attended densely on the device (sliding-window layers always are).
+    page_summary: what scores a page on the device (kvjax.policies.page_summary): "minmax"
+      (FreeKV's per-channel max and min keys; 1/32 of the page's K+V) or "keys2" / "keys4"
+      (every key at 2 / 4 bits per channel; 1/16 / 1/8), which keeps the pages a retrieval
+      head attends where the min/max bound drops them.
     implementation: device kernels, "auto" | "pallas" | "xla".
   """
 
@@ -417,6 +455,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: int = 1
   transfer: str = "pageable"
   sync_transfer: bool = False
+  page_summary: str = "minmax"
   name: str = "freekv"
   decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer")
   takes_written_prompt = True
@@ -462,6 +501,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError("lag=2 needs bridge='per_step' (per_layer recalls inside the step)")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
+    if self.page_summary not in page_summary.SUMMARIES:
+      raise ValueError(f"page_summary={self.page_summary!r}; expected one of {page_summary.SUMMARIES}")
 
   @property
   def n_sel(self) -> int:
@@ -499,8 +540,31 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       spec += (", one host exchange per step (pages recalled between steps)" if self.lag == 1 else
                ", one host exchange per step overlapping the next step (pages attended two steps after selection)")
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
+    scores = "" if self.page_summary == "minmax" else f", pages scored by {self.key_bits}-bit keys"
     return (f"freekv(budget={self.budget} tokens = sinks {self.sinks} + window {self.window} + {self.n_sel} "
-            f"pages of {self.page_size}, {spec}, max_recall {self.recall}{dense})")
+            f"pages of {self.page_size}{scores}, {spec}, max_recall {self.recall}{dense})")
+
+  @property
+  def key_bits(self) -> int:
+    """Bits per key channel of a "keys<bits>" page summary (0 for "minmax")."""
+    return page_summary.bits_of(self.page_summary)
+
+  def _summary(self, state: FreeKVState) -> tuple:
+    """Every layer's page summary (leading axis L): (kmax, kmin) or (kcodes, klo, kstep)."""
+    return (state.kcodes, state.klo, state.kstep) if self.key_bits else (state.kmax, state.kmin)
+
+  def _num_pages(self, state: FreeKVState) -> int:
+    return (state.kcodes if self.key_bits else state.kmax).shape[3]
+
+  def _fold_evicted(self, state: FreeKVState, at: tuple, offset, ev_k, lo, step) -> dict:
+    """The summary fields with each evicted key folded into its page: `at` indexes (layer,
+    seq, :, page) (page N: dropped), `offset` is the key's token in its page, and lo/step
+    are the code range broadcast against ev_k. A min/max page starts empty at (+inf, -inf),
+    so a scatter-min/max needs no read."""
+    if not self.key_bits:
+      return dict(kmax=state.kmax.at[at].max(ev_k, mode="drop"), kmin=state.kmin.at[at].min(ev_k, mode="drop"))
+    code = page_summary.quantize(ev_k, lo, step, self.key_bits)
+    return dict(kcodes=state.kcodes.at[at + (offset,)].set(code, mode="drop"))
 
   # -- layout ----------------------------------------------------------------------------
 
@@ -520,11 +584,18 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
     runtime = self.new_runtime(cfg, context)
     ring = (L, batch, H, S + self.ring_len, D)
-    pages = (L, batch, H, num_pages, D)
+    bits = self.key_bits
+    if bits and D % (8 // bits):
+      raise ValueError(f"page_summary={self.page_summary!r} packs {8 // bits} channels a byte: head_dim {D} "
+                       "is not a multiple")
+    pages = (L, batch, H, 0 if bits else num_pages, D)
+    codes = (L, batch, H, num_pages if bits else 0, P, D // (8 // bits) if bits else 1)
+    ranges = (L, batch, H, D if bits else 0)
     pool = (L, batch, H, n, P, D)
     return FreeKVState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
         kmax=jnp.full(pages, -jnp.inf, dtype), kmin=jnp.full(pages, jnp.inf, dtype),  # empty pages
+        kcodes=jnp.zeros(codes, jnp.uint8), klo=jnp.zeros(ranges, jnp.float32), kstep=jnp.ones(ranges, jnp.float32),
         pool_k=jnp.zeros(pool, dtype), pool_v=jnp.zeros(pool, dtype),
         pool_ids=jnp.full(pool[:4], -1, jnp.int32), selection=jnp.full(pool[:4], -1, jnp.int32),
         promised_ids=jnp.full(pool[:4], -1, jnp.int32),
@@ -591,8 +662,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     for b, n in enumerate(host_len):
       if n:
         context.append(b, layer, 0, np.asarray(k[b, :, S:S + n]), np.asarray(v[b, :, S:S + n]))
-    lo, hi = _prompt_summaries(k, jnp.asarray(host_len, jnp.int32), sinks=S, page_size=P,
-                               num_pages=state.kmax.shape[3])
+    host_len = jnp.asarray(host_len, jnp.int32)
+    if self.key_bits:
+      codes, lo, step = _prompt_codes(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state),
+                                      bits=self.key_bits)
+      return state.replace(kcodes=set_layer(state.kcodes, layer, codes), klo=set_layer(state.klo, layer, lo),
+                           kstep=set_layer(state.kstep, layer, step))
+    lo, hi = _prompt_summaries(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state))
     return state.replace(kmin=set_layer(state.kmin, layer, lo), kmax=set_layer(state.kmax, layer, hi))
 
   def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:
@@ -621,7 +697,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ids = state.pool_ids
     for i in range(self.lag):
       candidates = self._ring_pages(state.prompt_lengths + i)  # the pool's pages at decode step i + 1
-      selection, fetch, slots, ids = _first_selection(state.prev_q, state.kmax, state.kmin, ids, candidates,
+      selection, fetch, slots, ids = _first_selection(state.prev_q, self._summary(state), ids, candidates,
                                                       n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale)
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
@@ -729,7 +805,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state
     S, W, P, n, R = self.sinks, self.window, self.page_size, self.n_sel, self.recall
     L, H = cfg.num_layers, cfg.num_kv_heads
-    N = state.kmax.shape[3]
+    N = self._num_pages(state)
     pos = positions[:, 0]  # [B]
     B = pos.shape[0]
     b = jnp.arange(B, dtype=jnp.int32)
@@ -743,15 +819,14 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     stored = sparse[:, None] & has_ev[None, :]  # [L, B]
     ev_page = jnp.where(stored, ((ev_pos - S) // P)[None, :], N)  # N: dropped
     at = (jnp.arange(L)[:, None], b[None, :], slice(None), ev_page)
-    kmax = state.kmax.at[at].max(ev_k, mode="drop")
-    kmin = state.kmin.at[at].min(ev_k, mode="drop")
+    state = state.replace(**self._fold_evicted(state, at, (ev_pos - S) % P, ev_k, state.klo, state.kstep))
 
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # complete pages after this step's eviction
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
-    def one_layer(q, prev_q, primed, hi, lo, prev_sel, pool_ids, promised):
+    def one_layer(q, prev_q, primed, summary, prev_sel, pool_ids, promised):
       selection, (fetch, fetch_slots, promised) = select_and_plan(
-          q, hi, lo, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale)
+          q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale)
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
@@ -763,10 +838,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
     selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
-        state.step_q, state.prev_q, state.primed, kmax, kmin, state.selection, state.pool_ids, state.promised_ids)
+        state.step_q, state.prev_q, state.primed, self._summary(state), state.selection, state.pool_ids,
+        state.promised_ids)
     keep = lambda new, old: jnp.where(by_layer(sparse, new), new, old)  # dense layers keep "nothing"
     return state.replace(
-        kmax=kmax, kmin=kmin, primed=state.primed | sparse,
+        primed=state.primed | sparse,
         # Swapped: prev_q takes this step's queries; step_q's stale ones are rewritten next step.
         prev_q=state.step_q, step_q=state.prev_q,
         selection=keep(selection, state.selection), promised_ids=keep(promised, state.promised_ids),
@@ -788,7 +864,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_len = self.ring_len  # recent part of the ring
     B, _, Hq, D = q.shape
     H = k.shape[2]
-    N = state.kmax.shape[3]
+    N = self._num_pages(state)
     b = jnp.arange(B, dtype=jnp.int32)
     pos = positions[:, 0]
     q0 = q[:, 0]  # [B, Hq, D]
@@ -833,11 +909,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ev_v = ring_v[layer, b, :, ev_slot]
     evicted_pos = jnp.where(has_ev, ev_pos, -1)
 
-    # Fold the evicted key into its page's min/max (a running summary; the page becomes a
-    # candidate once complete). Empty pages hold (+inf, -inf): a scatter-min/max needs no read.
+    # Fold the evicted key into its page's summary (the page becomes a candidate once complete).
     ev_page = jnp.where(has_ev, (ev_pos - S) // P, N)  # N: dropped
-    kmax = state.kmax.at[layer, b, :, ev_page].max(ev_k, mode="drop")
-    kmin = state.kmin.at[layer, b, :, ev_page].min(ev_k, mode="drop")
+    summary_fields = self._fold_evicted(state, (layer, b, slice(None), ev_page), (ev_pos - S) % P, ev_k,
+                                        state.klo[layer], state.kstep[layer])
 
     c_prev = jnp.maximum(pos - W - S, 0) // P  # complete pages before this step's eviction
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # ... and after it
@@ -848,10 +923,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     correct = jnp.ones((B, H), bool)
     if self.speculative:
       correct = _needs_correction(q0, state.prev_q[layer], primed, self.tau, H)
-    state = state.replace(kmax=kmax, kmin=kmin, prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
+    state = state.replace(**summary_fields, prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
                           primed=state.primed.at[layer].set(True))
+    summary = tuple(x[layer] for x in self._summary(state))
 
-    pooled_now = page_scores(q0, kmax[layer], kmin[layer], c_prev, scale=cfg.attn_scale)
+    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale)
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
@@ -864,7 +940,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.speculative:
       # The next step's selection: q_t over the pages complete after this step's eviction.
       sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(
-          q0, kmax[layer], kmin[layer], c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale)
+          q0, summary, c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale)
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.

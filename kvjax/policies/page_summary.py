@@ -1,0 +1,116 @@
+"""What the device keeps about each host page to score it against a query (freekv's selection).
+
+Two kinds, named by freekv's `page_summary` option:
+
+- "minmax" (FreeKV's and Quest's): the per-channel max and min key of each page; a page scores
+  the upper bound Σ_d max(q_d·max_d, q_d·min_d) of q·k over its keys. 1/32 of the page's bf16
+  K+V at 32-token pages.
+- "keys2" / "keys4": every key of the page, quantized per channel to 2 or 4 bits over the range
+  of the prompt's host keys (per layer, sequence and KV head; later keys are clipped to it) and
+  packed 4 or 2 to a byte; a page scores max over its keys of q·k̂. 1/16 or 1/8 of the bf16 K+V.
+
+Why keys: on RULER niah_single_2 (SmolLM2, 4K; experiments/results/page_scores_smollm2_4k_niah2.md)
+the min/max bound left the answer's page out of the top 32 in 5.6% of the cases where a head
+put more than 30% of its attention on it (ranked as low as 88 of 97), and freekv then wrote a
+partial number; 2-bit keys missed 0.9% of them, 4-bit keys none.
+
+Summaries are tuples of arrays with the page axis third from the end of kmax ([B, Hkv, N, D]) or
+of codes ([B, Hkv, N, P, D / per_byte]); the functions here take one layer's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUMMARIES = ("minmax", "keys2", "keys4")
+
+
+def bits_of(summary: str) -> int:
+  """Bits per key channel of a "keys<bits>" summary (0 for "minmax")."""
+  return 0 if summary == "minmax" else int(summary[len("keys"):])
+
+
+def quantize(
+    k,  # [..., D] keys
+    lo,  # [..., D] f32: the range's low end, broadcast against k
+    step,  # [..., D] f32: one code level
+    bits: int,
+):
+  """Codes of `k`, packed 8 // bits to a byte (channel d at bits (d % per_byte) * bits of byte
+  d // per_byte): [..., D // per_byte] uint8."""
+  per_byte = 8 // bits
+  levels = 2**bits - 1
+  code = jnp.clip(jnp.round((k.astype(jnp.float32) - lo) / step), 0, levels).astype(jnp.uint8)
+  code = code.reshape(code.shape[:-1] + (code.shape[-1] // per_byte, per_byte))
+  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+  return jnp.sum(code << shifts, axis=-1, dtype=jnp.uint8)
+
+
+def unpack(
+    codes,  # [..., D // per_byte] uint8
+    bits: int,
+):
+  """The codes as f32 levels [..., D]."""
+  per_byte = 8 // bits
+  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
+  levels = (codes[..., None] >> shifts) & jnp.uint8(2**bits - 1)
+  return levels.reshape(codes.shape[:-1] + (codes.shape[-1] * per_byte,)).astype(jnp.float32)
+
+
+def key_range(
+    keys,  # [B, H, T, D]
+    valid,  # [B, 1, T, 1] bool: which keys count
+    bits: int,
+):
+  """(lo, step) [B, H, D] f32 over the valid keys (lo 0, step 1 where none is valid)."""
+  k = keys.astype(jnp.float32)
+  lo = jnp.min(jnp.where(valid, k, jnp.inf), axis=2)
+  hi = jnp.max(jnp.where(valid, k, -jnp.inf), axis=2)
+  some = jnp.isfinite(lo)
+  lo = jnp.where(some, lo, 0.0)
+  step = jnp.where(some, (hi - lo) / (2**bits - 1), 1.0)
+  return lo, jnp.maximum(step, 1e-6)  # a constant channel: any code decodes to lo
+
+
+def minmax_scores(
+    q,  # [B, Hq, D] unscaled
+    kmax,  # [B, Hkv, N, D]
+    kmin,  # [B, Hkv, N, D]
+    *,
+    scale: float,
+):
+  """Per query head the bound scale · Σ_d max(q_d·max_d, q_d·min_d): [B, Hkv, G, N] f32."""
+  B, Hq, D = q.shape
+  H = kmax.shape[1]
+  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  hp = jax.lax.Precision.HIGHEST
+  # Σ_d max(q_d·max_d, q_d·min_d) = relu(q)·max + min(q, 0)·min (max_d >= min_d).
+  return (jnp.einsum("BHGD,BHND->BHGN", jnp.maximum(qg, 0), kmax.astype(jnp.float32), precision=hp)
+          + jnp.einsum("BHGD,BHND->BHGN", jnp.minimum(qg, 0), kmin.astype(jnp.float32), precision=hp)) * scale
+
+
+def key_scores(
+    q,  # [B, Hq, D] unscaled
+    codes,  # [B, Hkv, N, P, D // per_byte] uint8
+    lo,  # [B, Hkv, D] f32
+    step,  # [B, Hkv, D] f32
+    *,
+    scale: float,
+):
+  """Per query head max over each page's keys of scale · q·k̂ (k̂ = lo + code · step):
+  [B, Hkv, G, N] f32."""
+  B, Hq, D = q.shape
+  H = codes.shape[1]
+  bits = 8 * codes.shape[-1] // D
+  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  hp = jax.lax.Precision.HIGHEST
+  # q·k̂ = q·lo + Σ_d (q_d step_d) code_d: one product with the levels, one offset per head.
+  per_key = jnp.einsum("BHGD,BHNPD->BHGNP", qg * step[:, :, None], unpack(codes, bits), precision=hp)
+  offset = jnp.einsum("BHGD,BHD->BHG", qg, lo, precision=hp)
+  return (jnp.max(per_key, axis=-1) + offset[..., None]) * scale
+
+
+def scores(q, summary: tuple, *, scale: float):
+  """minmax_scores for a (kmax, kmin) summary, key_scores for (codes, lo, step)."""
+  return minmax_scores(q, *summary, scale=scale) if len(summary) == 2 else key_scores(q, *summary, scale=scale)
