@@ -122,7 +122,10 @@ def _build_byte_level(tokens: list[str], merges: list[str], token_types: Sequenc
 
 def _build_sentencepiece(arch: str, tokens, scores, token_types, merges, extra: dict):
   """Gemma / Llama-2 style tokenizers through transformers' GGUF builders (torch-free)."""
-  from transformers.integrations.gguf import gguf_tokenizer_mapping as m
+  try:  # transformers >= 5.24
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+  except ImportError:  # earlier releases (5.17 on the GPU machine; 4.x)
+    from transformers.integrations.ggml import convert_gguf_tokenizer
 
   d = {"tokenizer_type": "llama", "tokens": tokens, "token_type": token_types}
   if scores is not None:
@@ -130,7 +133,7 @@ def _build_sentencepiece(arch: str, tokens, scores, token_types, merges, extra: 
   if merges:
     d["merges"] = merges
   d.update(extra)
-  backend, _ = m.convert_gguf_tokenizer(arch, d)
+  backend, _ = convert_gguf_tokenizer(arch, d)
   backend.post_processor = None  # BOS is added by Tokenizer.encode
   return backend
 
