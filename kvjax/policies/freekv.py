@@ -341,6 +341,15 @@ def _keep_last_query(
   return state.replace(prev_q=state.prev_q.at[layer].set(jnp.where(keep, last_q, state.prev_q[layer])))
 
 
+def _over_layers(fn, summary: tuple, *args):
+  """fn(layer's summary, layer's args...) for every layer (leading axis L): vmapped for min/max
+  summaries, one layer at a time (lax.map) for key codes, whose scoring unpacks each layer's
+  codes to f32 levels ([B, Hkv, N, P, D]: ~0.5 GB a layer at 8B shapes and 128K)."""
+  if len(summary) == 2:
+    return jax.vmap(fn)(summary, *args)
+  return jax.lax.map(lambda xs: fn(*xs), (summary,) + args)
+
+
 @functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale"))
 def _first_selection(
     prev_q,  # [L, B, Hq, D] float32: the prompt's last query per layer
@@ -356,12 +365,12 @@ def _first_selection(
   fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
   [L, B, Hkv, n])."""
 
-  def one_layer(q, layer_summary, ids):
+  def one_layer(layer_summary, q, ids):
     selection, plan = select_and_plan(q, layer_summary, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
                                       scale=scale)
     return (selection,) + plan
 
-  return jax.vmap(one_layer)(prev_q, summary, pool_ids)
+  return _over_layers(one_layer, summary, prev_q, pool_ids)
 
 
 def select_and_plan(
@@ -824,7 +833,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # complete pages after this step's eviction
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
-    def one_layer(q, prev_q, primed, summary, prev_sel, pool_ids, promised):
+    def one_layer(summary, q, prev_q, primed, prev_sel, pool_ids, promised):
       selection, (fetch, fetch_slots, promised) = select_and_plan(
           q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale)
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
@@ -837,8 +846,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
-    selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
-        state.step_q, state.prev_q, state.primed, self._summary(state), state.selection, state.pool_ids,
+    selection, promised, fetch, fetch_slots, counters = _over_layers(
+        one_layer, self._summary(state), state.step_q, state.prev_q, state.primed, state.selection, state.pool_ids,
         state.promised_ids)
     keep = lambda new, old: jnp.where(by_layer(sparse, new), new, old)  # dense layers keep "nothing"
     return state.replace(
