@@ -26,6 +26,7 @@ POLICY_FLAGS = {
     "roar_heads": "roar_heads",
     "lag": "lag",
     "transfer": "transfer",
+    "page_summary": "page_summary",
 }
 
 
@@ -59,6 +60,8 @@ def define_flags() -> None:
                        "step t - lag (1: host works between steps; 2: while the device computes).")
   flags.DEFINE_enum("transfer", None, ["pageable", "pinned"],
                     "per_step bridge: copy each step's host update to the device from page-locked or pageable memory.")
+  flags.DEFINE_enum("page_summary", None, ["minmax", "keys2", "keys4"],
+                    "freekv: page scores from per-page key min/max (FreeKV) or from every key at 2 / 4 bits.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "
