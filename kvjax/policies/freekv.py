@@ -25,6 +25,8 @@ state, in a layer-major prefill or a synthetic context, does this per layer as e
   * scores: per KV head, page j scores Σ_d max(q_d·max_d, q_d·min_d) (times the model's
     attention scale) for every query head of the group; a softmax over the C candidates per
     query head, then the mean over the group (group-consistent selection); top n_sel pages.
+    With page_summary "keys2" / "keys4" (beyond FreeKV) the device holds every key quantized
+    instead, and a page scores the max of q·k̂ over its keys (kvjax.policies.page_summary).
   * without speculation: select with the current query, recall the missing pages (into the
     slots of the lowest-scoring resident pages not selected) and attend.
   * with speculation: heads whose group-mean cos(q_t, q_{t-1}) >= tau attend to the pages
@@ -70,11 +72,11 @@ priming exchange after prefill recalls the first selection, made with the prompt
 Where per_step's time goes (H200, 8B shapes, experiments/results/bench_compile_modes_8b_8k.md and
 bench_scale_8b_synthetic_128k_step_cb.md). Its step ran ~57 small kernels per sparse layer, so
 with unrolled layers the host's launching (~10-14 µs a kernel) outlasted the GPU's work, and
-XLA's command buffers helped (24.6 -> 17.8 ms at 8K, batch 1). Since then a sparse layer only writes its ring and attends (ring and pool);
-what feeds the host alone (summaries, the next selection, its plan, the counters) is computed
-once for all layers after the last one (`after_layers`), and its ring is one kernel call over
-two intervals (ops.partial_attention's starts2/lengths2): in the CPU program of a 6-layer test
-model, 111 -> 43 operations per layer. The exchange gathers every page in one C call
+XLA's command buffers helped (24.6 -> 17.8 ms at 8K, batch 1). Since then a sparse layer only
+writes its ring and attends (ring and pool); what feeds the host alone (summaries, the next
+selection, its plan, the counters) is computed once for all layers after the last one
+(`after_layers`), and its ring is one kernel call over two intervals (ops.partial_attention's
+starts2/lengths2): in the CPU program of a 6-layer test model, 111 -> 43 operations per layer. The exchange gathers every page in one C call
 (`fetch_pages_many`) and does not wait for its copy: the copy overlaps the next step's launch
 (`sync_transfer` waits). With the per-layer work this small, command buffers no longer pay
 (11.3 ms off vs 14.2 on at 8K, batch 1, lag 2: bench_compile_modes_8b_8k_cb_knobs.md), and the
