@@ -437,6 +437,9 @@ def test_key_scores_match_a_numpy_reference():
     assert packed.shape == (B, H, N * P, D * bits // 8) and packed.dtype == jnp.uint8
     code = np.clip(np.round((keys - lo[:, :, None]) / step[:, :, None]), 0, 2**bits - 1)
     np.testing.assert_array_equal(np.asarray(page_summary.unpack(packed, bits)), code)
+    planes = code.astype(np.uint8).reshape(B, H, N * P, 8 // bits, -1)  # byte j: channels j, j + D/per_byte, ...
+    want = sum(planes[..., i, :] << (i * bits) for i in range(8 // bits)).astype(np.uint8)
+    np.testing.assert_array_equal(np.asarray(packed), want)
     k_hat = lo[:, :, None] + code * step[:, :, None]  # [B, H, N * P, D]
     exact = np.einsum("bhgd,bhtd->bhgt", q.reshape(B, H, G, D), k_hat).reshape(B, H, G, N, P).max(-1) * 0.25
     got = page_summary.key_scores(jnp.asarray(q), packed.reshape(B, H, N, P, -1), jnp.asarray(lo), jnp.asarray(step),

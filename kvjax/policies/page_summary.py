@@ -7,7 +7,8 @@ Two kinds, named by freekv's `page_summary` option:
   K+V at 32-token pages.
 - "keys2" / "keys4": every key of the page, quantized per channel to 2 or 4 bits over the range
   of the prompt's host keys (per layer, sequence and KV head; later keys are clipped to it) and
-  packed 4 or 2 to a byte; a page scores max over its keys of q·k̂. 1/16 or 1/8 of the bf16 K+V.
+  packed 4 or 2 to a byte (channel planes); a page scores max over its keys of q·k̂. 1/16 or 1/8
+  of the bf16 K+V.
 
 Why keys: on RULER niah_single_2 (SmolLM2, 4K; experiments/results/page_scores_smollm2_4k_niah2.md)
 the min/max bound left the answer's page out of the top 32 in 5.6% of the cases where a head
@@ -37,14 +38,14 @@ def quantize(
     step,  # [..., D] f32: one code level
     bits: int,
 ):
-  """Codes of `k`, packed 8 // bits to a byte (channel d at bits (d % per_byte) * bits of byte
-  d // per_byte): [..., D // per_byte] uint8."""
+  """Codes of `k`, packed 8 // bits to a byte in planes: byte j holds channels j, j + D/per_byte,
+  j + 2·D/per_byte, ... at bits 0, bits, 2·bits, ... ([..., D // per_byte] uint8). Planes keep a
+  byte's channels apart, so unpacking is one shift and mask per plane, no interleaving."""
   per_byte = 8 // bits
-  levels = 2**bits - 1
-  code = jnp.clip(jnp.round((k.astype(jnp.float32) - lo) / step), 0, levels).astype(jnp.uint8)
-  code = code.reshape(code.shape[:-1] + (code.shape[-1] // per_byte, per_byte))
-  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-  return jnp.sum(code << shifts, axis=-1, dtype=jnp.uint8)
+  code = jnp.clip(jnp.round((k.astype(jnp.float32) - lo) / step), 0, 2**bits - 1).astype(jnp.uint8)
+  planes = code.reshape(code.shape[:-1] + (per_byte, code.shape[-1] // per_byte))
+  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits)[:, None]
+  return jnp.sum(planes << shifts, axis=-2, dtype=jnp.uint8)
 
 
 def unpack(
@@ -52,10 +53,9 @@ def unpack(
     bits: int,
 ):
   """The codes as f32 levels [..., D]."""
-  per_byte = 8 // bits
-  shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-  levels = (codes[..., None] >> shifts) & jnp.uint8(2**bits - 1)
-  return levels.reshape(codes.shape[:-1] + (codes.shape[-1] * per_byte,)).astype(jnp.float32)
+  mask = jnp.uint8(2**bits - 1)
+  planes = [(codes >> jnp.uint8(i * bits)) & mask for i in range(8 // bits)]
+  return jnp.concatenate(planes, axis=-1).astype(jnp.float32)
 
 
 def key_range(
