@@ -15,8 +15,8 @@ the min/max bound left the answer's page out of the top 32 in 5.6% of the cases 
 put more than 30% of its attention on it (ranked as low as 88 of 97), and freekv then wrote a
 partial number; 2-bit keys missed 0.9% of them, 4-bit keys none.
 
-Summaries are tuples of arrays with the page axis third from the end of kmax ([B, Hkv, N, D]) or
-of codes ([B, Hkv, N, P, D / per_byte]); the functions here take one layer's.
+A summary is a tuple: (kmax, kmin), each [B, Hkv, N, D], or (codes [B, Hkv, N, P, D / per_byte],
+lo [B, Hkv, D], step [B, Hkv, D]); the functions here take one layer's.
 """
 
 from __future__ import annotations
