@@ -8,6 +8,8 @@ twin with the same signature. This package imports nothing from kvjax,
 models or host_index.
 """
 
+from ops.key_scores import key_page_scores
+from ops.key_scores import key_page_scores_reference
 from ops.merge import merge_partials
 from ops.paged_attention import paged_partial_attention
 from ops.paged_attention import paged_partial_attention_reference
@@ -24,6 +26,8 @@ merge = merge_partials
 __all__ = [
     "exact_topk",
     "exact_topk_reference",
+    "key_page_scores",
+    "key_page_scores_reference",
     "merge",
     "merge_partials",
     "paged_partial_attention",

@@ -190,10 +190,11 @@ def pooled_scores(
     num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
     *,
     scale: float,
+    implementation: str = "xla",  # key codes: ops.key_page_scores' "pallas" or "xla"
 ):
   """Group-pooled page scores [B, Hkv, N] float32 (softmax over the candidates per query head,
   mean over the group); -inf for non-candidates."""
-  s = page_summary.scores(q, summary, scale=scale)  # [B, Hkv, G, N]
+  s = page_summary.scores(q, summary, scale=scale, implementation=implementation)  # [B, Hkv, G, N]
   N = s.shape[-1]
   cand = jnp.arange(N)[None, :] < num_candidates[:, None]  # [B, N]
   mask = cand[:, None, None, :]
@@ -352,7 +353,7 @@ def _over_layers(fn, summary: tuple, *args):
   return jax.lax.map(lambda xs: fn(*xs), (summary,) + args)
 
 
-@functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale"))
+@functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale", "implementation"))
 def _first_selection(
     prev_q,  # [L, B, Hq, D] float32: the prompt's last query per layer
     summary: tuple,  # every layer's page summary (leading axis L)
@@ -362,6 +363,7 @@ def _first_selection(
     n_sel: int,
     max_recall: int,
     scale: float,
+    implementation: str,
 ):
   """Every layer's first selection and its recall plan: (selection [L, B, Hkv, n_sel],
   fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
@@ -369,7 +371,7 @@ def _first_selection(
 
   def one_layer(layer_summary, q, ids):
     selection, plan = select_and_plan(q, layer_summary, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
-                                      scale=scale)
+                                      scale=scale, implementation=implementation)
     return (selection,) + plan
 
   return _over_layers(one_layer, summary, prev_q, pool_ids)
@@ -384,10 +386,11 @@ def select_and_plan(
     n_sel: int,
     max_recall: int,
     scale: float,
+    implementation: str = "xla",
 ):
   """One layer's selection [B, Hkv, n_sel] and its recall plan, plan_recall's (fetch, slots,
   pool ids after it)."""
-  pooled = pooled_scores(q, summary, num_candidates, scale=scale)
+  pooled = pooled_scores(q, summary, num_candidates, scale=scale, implementation=implementation)
   selection = top_pages(pooled, n_sel)
   return selection, plan_recall(pool_ids, selection, pooled, max_recall)
 
@@ -564,6 +567,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Every layer's page summary (leading axis L): (kmax, kmin) or (kcodes, klo, kstep)."""
     return (state.kcodes, state.klo, state.kstep) if self.key_bits else (state.kmax, state.kmin)
 
+  def _score_impl(self) -> str:
+    """How key codes are scored: ops.key_page_scores' Pallas kernel on a GPU, XLA elsewhere."""
+    return resolve_implementation(self.implementation)
+
   def _num_pages(self, state: FreeKVState) -> int:
     return (state.kcodes if self.key_bits else state.kmax).shape[3]
 
@@ -709,7 +716,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     for i in range(self.lag):
       candidates = self._ring_pages(state.prompt_lengths + i)  # the pool's pages at decode step i + 1
       selection, fetch, slots, ids = _first_selection(state.prev_q, self._summary(state), ids, candidates,
-                                                      n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale)
+                                                      n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale,
+                                                      implementation=self._score_impl())
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
       packed = self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices())))
@@ -837,7 +845,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
     def one_layer(summary, q, prev_q, primed, prev_sel, pool_ids, promised):
       selection, (fetch, fetch_slots, promised) = select_and_plan(
-          q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale)
+          q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale,
+          implementation=self._score_impl())
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
@@ -938,7 +947,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           primed=state.primed.at[layer].set(True))
     summary = tuple(x[layer] for x in self._summary(state))
 
-    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale)
+    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale, implementation=self._score_impl())
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
@@ -951,7 +960,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.speculative:
       # The next step's selection: q_t over the pages complete after this step's eviction.
       sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(
-          q0, summary, c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale)
+          q0, summary, c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale,
+          implementation=self._score_impl())
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.

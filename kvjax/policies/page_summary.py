@@ -24,6 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import ops
+from ops.key_scores import unpack_planes as unpack
+
 SUMMARIES = ("minmax", "keys2", "keys4")
 
 
@@ -46,16 +49,6 @@ def quantize(
   planes = code.reshape(code.shape[:-1] + (per_byte, code.shape[-1] // per_byte))
   shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits)[:, None]
   return jnp.sum(planes << shifts, axis=-2, dtype=jnp.uint8)
-
-
-def unpack(
-    codes,  # [..., D // per_byte] uint8
-    bits: int,
-):
-  """The codes as f32 levels [..., D]."""
-  mask = jnp.uint8(2**bits - 1)
-  planes = [(codes >> jnp.uint8(i * bits)) & mask for i in range(8 // bits)]
-  return jnp.concatenate(planes, axis=-1).astype(jnp.float32)
 
 
 def key_range(
@@ -97,20 +90,16 @@ def key_scores(
     step,  # [B, Hkv, D] f32
     *,
     scale: float,
+    implementation: str = "xla",
 ):
   """Per query head max over each page's keys of scale · q·k̂ (k̂ = lo + code · step):
-  [B, Hkv, G, N] f32."""
-  B, Hq, D = q.shape
-  H = codes.shape[1]
-  bits = 8 * codes.shape[-1] // D
-  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
-  hp = jax.lax.Precision.HIGHEST
-  # q·k̂ = q·lo + Σ_d (q_d step_d) code_d: one product with the levels, one offset per head.
-  per_key = jnp.einsum("BHGD,BHNPD->BHGNP", qg * step[:, :, None], unpack(codes, bits), precision=hp)
-  offset = jnp.einsum("BHGD,BHD->BHG", qg, lo, precision=hp)
-  return (jnp.max(per_key, axis=-1) + offset[..., None]) * scale
+  [B, Hkv, G, N] f32 (ops.key_page_scores: a Pallas kernel or its XLA twin)."""
+  bits = 8 * codes.shape[-1] // q.shape[-1]
+  return ops.key_page_scores(q, codes, lo, step, bits=bits, scale=scale, implementation=implementation)
 
 
-def scores(q, summary: tuple, *, scale: float):
+def scores(q, summary: tuple, *, scale: float, implementation: str = "xla"):
   """minmax_scores for a (kmax, kmin) summary, key_scores for (codes, lo, step)."""
-  return minmax_scores(q, *summary, scale=scale) if len(summary) == 2 else key_scores(q, *summary, scale=scale)
+  if len(summary) == 2:
+    return minmax_scores(q, *summary, scale=scale)
+  return key_scores(q, *summary, scale=scale, implementation=implementation)

@@ -1,0 +1,127 @@
+"""Page scores from quantized keys: per query head, max over each page's keys of q·k̂.
+
+Keys are codes of `bits` bits per channel, k̂ = lo + code · step, packed 8 / bits to a byte in
+channel planes (byte j holds channels j, j + D/per_byte, ... at bits 0, bits, ...; the layout
+of kvjax.policies.page_summary). Since q·k̂ = q·lo + Σ_d (q_d step_d) code_d, the kernel only
+takes the dot of the levels with q·step, plane by plane, and the max over the page: it reads
+the packed codes once (1/8 or 1/16 of bf16 keys) and never writes unpacked levels to memory,
+which the XLA twin does (f32 levels: 4 bytes per channel and key).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ops.partial_attention import _pad_groups
+
+_ROWS_PER_BLOCK = 512  # keys per program: pages_per_block * page_size
+
+
+def _kernel(
+    qs_ref,  # [Gp, D] f32: q · step (pad rows zero)
+    codes_ref,  # [NB, P, Dc] uint8
+    out_ref,  # [Gp, NB] f32
+    *,
+    bits: int,
+):
+  nb, p, dc = codes_ref.shape
+  gp = qs_ref.shape[0]
+  codes = codes_ref[...].reshape(nb * p, dc)
+  acc = jnp.zeros((nb * p, gp), jnp.float32)
+  for plane in range(8 // bits):
+    levels = ((codes >> jnp.uint8(plane * bits)) & jnp.uint8(2**bits - 1)).astype(jnp.float32)  # [NB*P, Dc]
+    q_plane = qs_ref[:, plane * dc:(plane + 1) * dc]  # [Gp, Dc]
+    acc += lax.dot_general(levels, q_plane, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  out_ref[...] = jnp.max(acc.reshape(nb, p, gp), axis=1).T
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "interpret"))
+def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
+  """qs [B, Hkv, G, D] f32, codes [B, Hkv, N, P, Dc] -> Σ_d qs_d · level_d maxed per page [B, Hkv, G, N]."""
+  B, H, G, D = qs.shape
+  N, P, Dc = codes.shape[2:]
+  gp = _pad_groups(G)
+  nb = max(1, min(N, _ROWS_PER_BLOCK // P))
+  blocks = pl.cdiv(N, nb)
+  if blocks * nb != N:  # a partial last block: pad with code 0 (sliced off below)
+    codes = jnp.pad(codes, ((0, 0), (0, 0), (0, blocks * nb - N), (0, 0), (0, 0)))
+  if gp != G:
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
+  out = pl.pallas_call(
+      functools.partial(_kernel, bits=bits),
+      grid=(B, H, blocks),
+      in_specs=[pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
+                pl.BlockSpec((None, None, nb, P, Dc), lambda b, h, j: (b, h, j, 0, 0))],
+      out_specs=pl.BlockSpec((None, None, gp, nb), lambda b, h, j: (b, h, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((B, H, gp, blocks * nb), jnp.float32),
+      interpret=interpret,
+      name=f"kvjax_key_scores_b{bits}_p{P}",
+  )(qs, codes)
+  return out[:, :, :G, :N]
+
+
+def _check(q, codes, lo, step, bits: int, implementation: str) -> None:
+  if implementation not in ("pallas", "xla"):
+    raise ValueError(f"implementation={implementation!r}; expected pallas or xla")
+  if bits not in (1, 2, 4, 8):
+    raise ValueError(f"bits={bits!r}; expected 1, 2, 4 or 8")
+  if q.ndim != 3 or codes.ndim != 5 or lo.shape != codes.shape[:2] + q.shape[-1:] or step.shape != lo.shape:
+    raise ValueError(f"shapes q {q.shape}, codes {codes.shape}, lo {lo.shape}, step {step.shape}: expected "
+                     "[B, Hq, D], [B, Hkv, N, P, D * bits / 8], [B, Hkv, D], [B, Hkv, D]")
+  if codes.dtype != jnp.uint8:
+    raise TypeError(f"codes.dtype={codes.dtype} must be uint8")
+  if codes.shape[-1] * (8 // bits) != q.shape[-1] or q.shape[1] % codes.shape[1]:
+    raise ValueError(f"codes {codes.shape} do not hold {bits}-bit channels of head_dim {q.shape[-1]}, or q "
+                     f"heads {q.shape[1]} are not a multiple of KV heads {codes.shape[1]}")
+
+
+def key_page_scores(
+    q: jax.Array,  # [B, Hq, D] unscaled
+    codes: jax.Array,  # [B, Hkv, N, P, D * bits / 8] uint8, channel planes
+    lo: jax.Array,  # [B, Hkv, D] f32
+    step: jax.Array,  # [B, Hkv, D] f32
+    *,
+    bits: int,
+    scale: float,
+    implementation: str = "pallas",
+    interpret: bool = False,
+) -> jax.Array:
+  """scale · max over each page's keys of q·k̂, per query head: [B, Hkv, G, N] float32.
+
+  implementation "pallas" (the kernel above; interpret=True on a CPU) or "xla" (the float32
+  reference, unpacking every level).
+  """
+  _check(q, codes, lo, step, bits, implementation)
+  B, Hq, D = q.shape
+  H = codes.shape[1]
+  qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
+  offset = jnp.einsum("BHGD,BHD->BHG", qg, lo, precision=lax.Precision.HIGHEST)
+  qs = qg * step[:, :, None]
+  if implementation == "xla":
+    per_key = jnp.einsum("BHGD,BHNPD->BHGNP", qs, unpack_planes(codes, bits), precision=lax.Precision.HIGHEST)
+    raw = jnp.max(per_key, axis=-1)
+  else:
+    raw = _key_scores_pallas(qs, codes, bits=bits, interpret=interpret)
+  return (raw + offset[..., None]) * scale
+
+
+def key_page_scores_reference(q, codes, lo, step, *, bits: int, scale: float, **unused) -> jax.Array:
+  """The float32 XLA twin of `key_page_scores`."""
+  del unused
+  return key_page_scores(q, codes, lo, step, bits=bits, scale=scale, implementation="xla")
+
+
+def unpack_planes(
+    codes,  # [..., D // per_byte] uint8, channel planes
+    bits: int,
+):
+  """The codes as f32 levels [..., D]."""
+  mask = jnp.uint8(2**bits - 1)
+  planes = [(codes >> jnp.uint8(i * bits)) & mask for i in range(8 // bits)]
+  return jnp.concatenate(planes, axis=-1).astype(jnp.float32)

@@ -1,0 +1,55 @@
+"""ops.key_page_scores (Pallas, interpret mode) against its XLA twin and a NumPy reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops.key_scores import unpack_planes
+
+
+def _case(seed, B=2, Hq=6, H=2, N=37, P=8, D=32, bits=2):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+  codes = rng.integers(0, 256, size=(B, H, N, P, D * bits // 8), dtype=np.uint8)
+  lo = rng.standard_normal((B, H, D)).astype(np.float32)
+  step = rng.uniform(0.05, 0.5, size=(B, H, D)).astype(np.float32)
+  return q, codes, lo, step
+
+
+@pytest.mark.parametrize("bits, N, P", [(2, 37, 32), (4, 5, 32), (4, 64, 16)])  # 37 pages of 32: 3 blocks of 16, the last padded
+def test_kernel_matches_numpy_and_xla(bits, N, P):
+  q, codes, lo, step = _case(bits + N, N=N, P=P, bits=bits)
+  B, Hq, D = q.shape
+  H = codes.shape[1]
+  levels = np.asarray(unpack_planes(jnp.asarray(codes), bits))  # [B, H, N, P, D]
+  per_byte = 8 // bits
+  dc = D // per_byte
+  # channel d sits in byte d % dc at bits (d // dc) * bits
+  d = 7
+  np.testing.assert_array_equal(levels[..., d], (codes[..., d % dc] >> ((d // dc) * bits)) & (2**bits - 1))
+  k_hat = lo[:, :, None, None] + levels * step[:, :, None, None]
+  want = 0.3 * np.einsum("bhgd,bhnpd->bhgnp", q.reshape(B, H, Hq // H, D), k_hat).max(-1)
+  got = ops.key_page_scores(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(lo), jnp.asarray(step), bits=bits,
+                            scale=0.3, interpret=True)
+  ref = ops.key_page_scores_reference(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(lo), jnp.asarray(step),
+                                      bits=bits, scale=0.3)
+  assert got.shape == (B, H, Hq // H, N)
+  np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(implementation="cuda"), "implementation='cuda'"),
+    (dict(bits=3), "bits=3"),
+    (dict(codes=np.zeros((2, 2, 4, 8, 8), np.int32)), "codes.dtype=int32"),
+    (dict(codes=np.zeros((2, 2, 4, 8, 4), np.uint8)), "head_dim 32"),
+    (dict(lo=np.zeros((2, 3, 32), np.float32)), "shapes"),
+])
+def test_bad_input(change, message):
+  q, codes, lo, step = _case(0)
+  args = dict(q=q, codes=codes, lo=lo, step=step, bits=2, scale=1.0, implementation="pallas") | change
+  with pytest.raises((ValueError, TypeError), match=message):
+    ops.key_page_scores(**args)
