@@ -33,7 +33,7 @@ TOL = 1e-4  # float32 logits; sharding changes only the order of the psum's addi
 # freekv per_step run on 2 devices only: the head split is the same code for every policy, and
 # full and freekv still check 4.
 CASES = ["full_qwen2_fused_unrolled:2,4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2", "freekv:2,4",
-         "freekv_per_step_lag2:2"]
+         "freekv_per_step_lag2_keys2:2"]
 SAVED = "saved:2"  # a sharded context saved and loaded (sharded_decode_check.run_saved)
 
 
@@ -65,7 +65,7 @@ def test_one_host_exchange_per_layer_or_step_per_device(sharded_rows):
   sharded_rows = _decode_rows(sharded_rows)
   host_backed = [r for r in sharded_rows if r["ref_callbacks"] is not None]
   assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2", "freekv",
-                                              "freekv_per_step_lag2"}
+                                              "freekv_per_step_lag2_keys2"}
   for row in host_backed:
     assert row["callbacks"] == row["devices"] * row["ref_callbacks"], row
 
