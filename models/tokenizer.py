@@ -122,9 +122,9 @@ def _build_byte_level(tokens: list[str], merges: list[str], token_types: Sequenc
 
 def _build_sentencepiece(arch: str, tokens, scores, token_types, merges, extra: dict):
   """Gemma / Llama-2 style tokenizers through transformers' GGUF builders (torch-free)."""
-  try:  # transformers >= 5.24
+  try:  # recent transformers (5.24 here)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
-  except ImportError:  # earlier releases (5.17 on the GPU machine; 4.x)
+  except ImportError:  # earlier ones (5.17, the GPU machine's: the same ids on Gemma-3-270M)
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
   d = {"tokenizer_type": "llama", "tokens": tokens, "token_type": token_types}
