@@ -275,6 +275,21 @@ def listed_slots(
   return slots, jnp.sum(member, axis=-1).astype(jnp.int32)
 
 
+def _stored_keys(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    sinks: int,
+    slots: int,  # num_pages * page_size
+):
+  """The keys in the store's page slots [B, Hkv, slots, D] (zero-padded past the capacity) and
+  which hold a stored key [B, 1, slots, 1]."""
+  need = sinks + slots
+  if need > k.shape[2]:
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - k.shape[2]), (0, 0)))
+  valid = (jnp.arange(slots)[None] < host_len[:, None])[:, None, :, None]
+  return k[:, :, sinks:need], valid
+
+
 @functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages"))
 def _prompt_summaries(
     k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
@@ -286,13 +301,10 @@ def _prompt_summaries(
 ):
   """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; (+inf, -inf) for
   empty pages."""
-  B, H, cap, D = k.shape
-  need = sinks + num_pages * page_size
-  if need > cap:
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - cap), (0, 0)))
-  pages = k[:, :, sinks:need].reshape(B, H, num_pages, page_size, D)
-  idx = jnp.arange(num_pages * page_size).reshape(num_pages, page_size)
-  valid = (idx[None] < host_len[:, None, None])[:, None, :, :, None]  # [B, 1, N, P, 1]
+  B, H, _, D = k.shape
+  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
+  pages = stored.reshape(B, H, num_pages, page_size, D)
+  valid = valid.reshape(B, 1, num_pages, page_size, 1)
   hi = jnp.max(jnp.where(valid, pages, -jnp.inf), axis=3)
   lo = jnp.min(jnp.where(valid, pages, jnp.inf), axis=3)
   some = jnp.any(valid, axis=3)
@@ -312,12 +324,8 @@ def _prompt_codes(
 ):
   """The stored keys quantized over their own per-channel range: (codes [B, Hkv, num_pages,
   page_size, D // (8 // bits)] uint8, lo [B, Hkv, D], step [B, Hkv, D]); empty slots hold code 0."""
-  B, H, cap, D = k.shape
-  need = sinks + num_pages * page_size
-  if need > cap:
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - cap), (0, 0)))
-  stored = k[:, :, sinks:need]  # [B, H, N * P, D]
-  valid = (jnp.arange(num_pages * page_size)[None] < host_len[:, None])[:, None, :, None]  # [B, 1, N*P, 1]
+  B, H = k.shape[:2]
+  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
   lo, step = page_summary.key_range(stored, valid, bits)
   codes = jnp.where(valid, page_summary.quantize(stored, lo[:, :, None], step[:, :, None], bits), 0)
   return codes.reshape(B, H, num_pages, page_size, -1), lo, step
