@@ -10,6 +10,7 @@ models or host_index.
 
 from ops.key_scores import key_page_scores
 from ops.key_scores import key_page_scores_reference
+from ops.key_scores import pallas_supported as key_scores_pallas_supported
 from ops.merge import merge_partials
 from ops.paged_attention import paged_partial_attention
 from ops.paged_attention import paged_partial_attention_reference
@@ -28,6 +29,7 @@ __all__ = [
     "exact_topk_reference",
     "key_page_scores",
     "key_page_scores_reference",
+    "key_scores_pallas_supported",
     "merge",
     "merge_partials",
     "paged_partial_attention",

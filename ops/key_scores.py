@@ -20,25 +20,38 @@ from jax.experimental import pallas as pl
 from ops.partial_attention import _pad_groups
 
 _ROWS_PER_BLOCK = 512  # keys per program: pages_per_block * page_size
+_MIN_DOT_K = 16  # Triton's dot needs K >= 16: the bytes per key (D * bits / 8)
 
 
 def _kernel(
     qs_ref,  # [Gp, D] f32: q · step (pad rows zero)
-    codes_ref,  # [NB, P, Dc] uint8
+    codes_ref,  # [NB * P, Dc] uint8: NB pages' keys
     out_ref,  # [Gp, NB] f32
     *,
     bits: int,
+    page_size: int,
 ):
-  nb, p, dc = codes_ref.shape
+  rows, dc = codes_ref.shape
   gp = qs_ref.shape[0]
-  codes = codes_ref[...].reshape(nb * p, dc)
-  acc = jnp.zeros((nb * p, gp), jnp.float32)
+  codes = codes_ref[...]
+  acc = jnp.zeros((gp, rows), jnp.float32)
   for plane in range(8 // bits):
-    levels = ((codes >> jnp.uint8(plane * bits)) & jnp.uint8(2**bits - 1)).astype(jnp.float32)  # [NB*P, Dc]
-    q_plane = qs_ref[:, plane * dc:(plane + 1) * dc]  # [Gp, Dc]
-    acc += lax.dot_general(levels, q_plane, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+    levels = ((codes >> jnp.uint8(plane * bits)) & jnp.uint8(2**bits - 1)).astype(jnp.float32)  # [R, Dc]
+    q_plane = qs_ref[:, pl.ds(plane * dc, dc)]  # [Gp, Dc]
+    acc += lax.dot_general(q_plane, levels, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                            preferred_element_type=jnp.float32)
-  out_ref[...] = jnp.max(acc.reshape(nb, p, gp), axis=1).T
+  # 2-D blocks and a max over the minor axis: the forms Triton lowers.
+  out_ref[...] = jnp.max(acc.reshape(gp, rows // page_size, page_size), axis=-1)
+
+
+def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
+  """Whether the kernel compiles for a GPU: power-of-two pages and byte rows of >= 16 bytes."""
+  dc = head_dim * bits // 8
+  return _is_pow2(page_size) and _is_pow2(dc) and dc >= _MIN_DOT_K and page_size <= _ROWS_PER_BLOCK
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "interpret"))
@@ -47,22 +60,23 @@ def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
   B, H, G, D = qs.shape
   N, P, Dc = codes.shape[2:]
   gp = _pad_groups(G)
-  nb = max(1, min(N, _ROWS_PER_BLOCK // P))
+  nb = min(_ROWS_PER_BLOCK // P, pl.next_power_of_2(N))  # pages per program, a power of two
   blocks = pl.cdiv(N, nb)
   if blocks * nb != N:  # a partial last block: pad with code 0 (sliced off below)
     codes = jnp.pad(codes, ((0, 0), (0, 0), (0, blocks * nb - N), (0, 0), (0, 0)))
   if gp != G:
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
+  rows = codes.reshape(B, H, blocks * nb * P, Dc)  # pages' keys as rows: free in XLA
   out = pl.pallas_call(
-      functools.partial(_kernel, bits=bits),
+      functools.partial(_kernel, bits=bits, page_size=P),
       grid=(B, H, blocks),
       in_specs=[pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, nb, P, Dc), lambda b, h, j: (b, h, j, 0, 0))],
+                pl.BlockSpec((None, None, nb * P, Dc), lambda b, h, j: (b, h, j, 0))],
       out_specs=pl.BlockSpec((None, None, gp, nb), lambda b, h, j: (b, h, 0, j)),
       out_shape=jax.ShapeDtypeStruct((B, H, gp, blocks * nb), jnp.float32),
       interpret=interpret,
       name=f"kvjax_key_scores_b{bits}_p{P}",
-  )(qs, codes)
+  )(qs, rows)
   return out[:, :, :G, :N]
 
 
@@ -99,6 +113,9 @@ def key_page_scores(
   """
   _check(q, codes, lo, step, bits, implementation)
   B, Hq, D = q.shape
+  if implementation == "pallas" and not interpret and not pallas_supported(codes.shape[3], D, bits):
+    raise ValueError(f"the Pallas kernel needs power-of-two pages (page_size={codes.shape[3]}) and >= "
+                     f"{_MIN_DOT_K} power-of-two bytes per key (head_dim {D} at {bits} bits); use implementation='xla'")
   H = codes.shape[1]
   qg = q.astype(jnp.float32).reshape(B, H, Hq // H, D)
   offset = jnp.einsum("BHGD,BHD->BHG", qg, lo, precision=lax.Precision.HIGHEST)

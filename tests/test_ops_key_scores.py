@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,9 +20,19 @@ def _case(seed, B=2, Hq=6, H=2, N=37, P=8, D=32, bits=2):
   return q, codes, lo, step
 
 
-@pytest.mark.parametrize("bits, N, P", [(2, 37, 32), (4, 5, 32), (4, 64, 16)])  # 37 pages of 32: 3 blocks of 16, the last padded
-def test_kernel_matches_numpy_and_xla(bits, N, P):
-  q, codes, lo, step = _case(bits + N, N=N, P=P, bits=bits)
+# 37 pages of 32: 3 blocks of 16, the last padded; 5 pages: one block of 8, padded.
+CASES = [(2, 37, 32, 32), (4, 5, 32, 32), (4, 64, 16, 32), (2, 37, 32, 64), (4, 300, 16, 128), (1, 9, 8, 128)]
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=ON_GPU)])
+@pytest.mark.parametrize("bits, N, P, D", CASES)
+def test_kernel_matches_numpy_and_xla(bits, N, P, D, interpret):
+  if not interpret and not ops.key_scores_pallas_supported(P, D, bits):
+    pytest.skip(f"{D * bits // 8}-byte keys: below Triton's dot")
+  q, codes, lo, step = _case(bits + N, N=N, P=P, D=D, bits=bits)
   B, Hq, D = q.shape
   H = codes.shape[1]
   levels = np.asarray(unpack_planes(jnp.asarray(codes), bits))  # [B, H, N, P, D]
@@ -33,12 +44,24 @@ def test_kernel_matches_numpy_and_xla(bits, N, P):
   k_hat = lo[:, :, None, None] + levels * step[:, :, None, None]
   want = 0.3 * np.einsum("bhgd,bhnpd->bhgnp", q.reshape(B, H, Hq // H, D), k_hat).max(-1)
   got = ops.key_page_scores(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(lo), jnp.asarray(step), bits=bits,
-                            scale=0.3, interpret=True)
+                            scale=0.3, interpret=interpret)
   ref = ops.key_page_scores_reference(jnp.asarray(q), jnp.asarray(codes), jnp.asarray(lo), jnp.asarray(step),
                                       bits=bits, scale=0.3)
   assert got.shape == (B, H, Hq // H, N)
   np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_pallas_supported():
+  assert ops.key_scores_pallas_supported(16, 64, 2) and ops.key_scores_pallas_supported(32, 128, 1)
+  assert not ops.key_scores_pallas_supported(16, 64, 1)  # 8 bytes per key
+  assert not ops.key_scores_pallas_supported(24, 128, 4)  # pages of 24
+
+
+def test_unsupported_shape_on_the_gpu_path_names_it():
+  q, codes, lo, step = _case(0, P=24, D=64, bits=4)
+  with pytest.raises(ValueError, match="page_size=24"):
+    ops.key_page_scores(q, codes, lo, step, bits=4, scale=1.0, interpret=False)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -575,9 +575,14 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Every layer's page summary (leading axis L): (kmax, kmin) or (kcodes, klo, kstep)."""
     return (state.kcodes, state.klo, state.kstep) if self.key_bits else (state.kmax, state.kmin)
 
-  def _score_impl(self) -> str:
-    """How key codes are scored: ops.key_page_scores' Pallas kernel on a GPU, XLA elsewhere."""
-    return resolve_implementation(self.implementation)
+  def _score_impl(self, cfg) -> str:
+    """How key codes are scored: ops.key_page_scores' Pallas kernel on a GPU where it compiles
+    for these pages and heads, XLA otherwise."""
+    impl = resolve_implementation(self.implementation)
+    if impl == "pallas" and self.key_bits and not ops.key_scores_pallas_supported(
+        self.page_size, cfg.head_dim, self.key_bits):
+      return "xla"
+    return impl
 
   def _num_pages(self, state: FreeKVState) -> int:
     return (state.kcodes if self.key_bits else state.kmax).shape[3]
@@ -725,7 +730,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       candidates = self._ring_pages(state.prompt_lengths + i)  # the pool's pages at decode step i + 1
       selection, fetch, slots, ids = _first_selection(state.prev_q, self._summary(state), ids, candidates,
                                                       n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale,
-                                                      implementation=self._score_impl())
+                                                      implementation=self._score_impl(cfg))
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
       packed = self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices())))
@@ -854,7 +859,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     def one_layer(summary, q, prev_q, primed, prev_sel, pool_ids, promised):
       selection, (fetch, fetch_slots, promised) = select_and_plan(
           q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale,
-          implementation=self._score_impl())
+          implementation=self._score_impl(cfg))
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
@@ -955,7 +960,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           primed=state.primed.at[layer].set(True))
     summary = tuple(x[layer] for x in self._summary(state))
 
-    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale, implementation=self._score_impl())
+    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale, implementation=self._score_impl(cfg))
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
@@ -969,7 +974,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       # The next step's selection: q_t over the pages complete after this step's eviction.
       sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(
           q0, summary, c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale,
-          implementation=self._score_impl())
+          implementation=self._score_impl(cfg))
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.
