@@ -19,12 +19,13 @@ from jax.experimental import pallas as pl
 
 from ops.partial_attention import _pad_groups
 
-_ROWS_PER_BLOCK = 512  # keys per program: pages_per_block * page_size
+_LEVELS_PER_BLOCK = 16384  # code bytes per program (rows * Dc): bounds the unpacked tile's registers
 _MIN_DOT_K = 16  # Triton's dot needs K >= 16: the bytes per key (D * bits / 8)
 
 
 def _kernel(
-    qs_ref,  # [Gp, D] f32: q · step (pad rows zero)
+    qs_hi_ref,  # [Gp, D] bf16: q · step rounded (pad rows zero)
+    qs_lo_ref,  # [Gp, D] bf16: q · step - qs_hi, rounded
     codes_ref,  # [NB * P, Dc] uint8: NB pages' keys
     out_ref,  # [Gp, NB] f32
     *,
@@ -32,14 +33,17 @@ def _kernel(
     page_size: int,
 ):
   rows, dc = codes_ref.shape
-  gp = qs_ref.shape[0]
+  gp = qs_hi_ref.shape[0]
   codes = codes_ref[...]
   acc = jnp.zeros((gp, rows), jnp.float32)
+  dims = (((1,), (1,)), ((), ()))
   for plane in range(8 // bits):
-    levels = ((codes >> jnp.uint8(plane * bits)) & jnp.uint8(2**bits - 1)).astype(jnp.float32)  # [R, Dc]
-    q_plane = qs_ref[:, pl.ds(plane * dc, dc)]  # [Gp, Dc]
-    acc += lax.dot_general(q_plane, levels, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
+    # Levels (< 256) are exact in bf16 and q·step is split into two bf16 terms, so two
+    # tensor-core dots with f32 accumulation give the f32 product to ~2^-16.
+    levels = ((codes >> jnp.uint8(plane * bits)) & jnp.uint8(2**bits - 1)).astype(jnp.bfloat16)  # [R, Dc]
+    for qs_ref in (qs_hi_ref, qs_lo_ref):
+      q_plane = qs_ref[:, pl.ds(plane * dc, dc)]  # [Gp, Dc]
+      acc += lax.dot_general(q_plane, levels, dims, preferred_element_type=jnp.float32)
   # 2-D blocks and a max over the minor axis: the forms Triton lowers.
   out_ref[...] = jnp.max(acc.reshape(gp, rows // page_size, page_size), axis=-1)
 
@@ -47,7 +51,7 @@ def _kernel(
 def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
   """Whether the kernel compiles for a GPU: power-of-two pages and byte rows of >= 16 bytes."""
   dc = head_dim * bits // 8
-  return _is_pow2(page_size) and _is_pow2(dc) and dc >= _MIN_DOT_K and page_size <= _ROWS_PER_BLOCK
+  return _is_pow2(page_size) and _is_pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _LEVELS_PER_BLOCK
 
 
 def _is_pow2(n: int) -> bool:
@@ -60,23 +64,26 @@ def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
   B, H, G, D = qs.shape
   N, P, Dc = codes.shape[2:]
   gp = _pad_groups(G)
-  nb = min(_ROWS_PER_BLOCK // P, pl.next_power_of_2(N))  # pages per program, a power of two
+  nb = max(1, min(_LEVELS_PER_BLOCK // (P * Dc), pl.next_power_of_2(N)))  # pages per program: a power of two
   blocks = pl.cdiv(N, nb)
   if blocks * nb != N:  # a partial last block: pad with code 0 (sliced off below)
     codes = jnp.pad(codes, ((0, 0), (0, 0), (0, blocks * nb - N), (0, 0), (0, 0)))
   if gp != G:
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
+  qs_hi = qs.astype(jnp.bfloat16)
+  qs_lo = (qs - qs_hi.astype(jnp.float32)).astype(jnp.bfloat16)
   rows = codes.reshape(B, H, blocks * nb * P, Dc)  # pages' keys as rows: free in XLA
   out = pl.pallas_call(
       functools.partial(_kernel, bits=bits, page_size=P),
       grid=(B, H, blocks),
       in_specs=[pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
+                pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
                 pl.BlockSpec((None, None, nb * P, Dc), lambda b, h, j: (b, h, j, 0))],
       out_specs=pl.BlockSpec((None, None, gp, nb), lambda b, h, j: (b, h, 0, j)),
       out_shape=jax.ShapeDtypeStruct((B, H, gp, blocks * nb), jnp.float32),
       interpret=interpret,
       name=f"kvjax_key_scores_b{bits}_p{P}",
-  )(qs, rows)
+  )(qs_hi, qs_lo, rows)
   return out[:, :, :G, :N]
 
 

@@ -20,7 +20,9 @@ def _case(seed, B=2, Hq=6, H=2, N=37, P=8, D=32, bits=2):
   return q, codes, lo, step
 
 
-# 37 pages of 32: 3 blocks of 16, the last padded; 5 pages: one block of 8, padded.
+# (bits, pages, page size, head_dim). Pages per program: 16384 code bytes / (P * D * bits / 8), at
+# most N rounded up to a power of two; 37 pages of 32 at 2 bits, D 64: blocks of 32 pages, the
+# second padded; 300 pages of 16 at 4 bits, D 128: 19 blocks of 16, the last padded.
 CASES = [(2, 37, 32, 32), (4, 5, 32, 32), (4, 64, 16, 32), (2, 37, 32, 64), (4, 300, 16, 128), (1, 9, 8, 128)]
 
 

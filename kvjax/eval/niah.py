@@ -141,7 +141,7 @@ def niah(tokenizer: sizing.TextTokenizer, task: str, *, length: int, seed: int =
   prefix = f"The special magic {type_v} for {query} mentioned in the provided text {'is' if one else 'are'}"
   return layout.needle_sample(
       tokenizer, task, built, texts, answers, asked_needles, depth=depth, length=length, seed=seed,
-      answer_prefix=prefix, max_new_tokens=(40 if value_type == "uuids" else 16) * num_values * num_queries,
+      answer_prefix=prefix, max_new_tokens=(64 if value_type == "uuids" else 16) * num_values * num_queries,
       meta={"haystack": hay, "keys": keys, "asked": asked_keys})
 
 

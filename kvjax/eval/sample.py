@@ -30,7 +30,9 @@ class Sample:
     context_span: (start, end) characters of the context (haystack and needles) in `text`.
     needle_spans: (start, end) characters of each needle in `text`, in order of appearance.
     max_new_tokens: the generation the answer needs (RULER's tokens_to_generate, shortened
-      where the answer is short: decoding on the CPU costs ~0.2 s a token).
+      where the answer is short: decoding on the CPU costs ~0.2 s a token). A UUID gets 64:
+      SmolLM2 restates the question (~15 tokens) before the ~30 tokens of a UUID, and at 40
+      full attention lost niah_single_3 samples it had answered correctly to the cut.
     seed: the seed that made it; the same (task, length, depth, seed, tokenizer) gives the
       same sample.
     meta: task-specific facts (keys, chain, counts...), JSON-serializable.
