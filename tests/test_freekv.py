@@ -457,6 +457,33 @@ def test_key_summaries_equal_full_when_budget_covers_the_context(summary, bridge
   assert "4-bit keys" in sparse.policy if summary == "keys4" else "2-bit keys" in sparse.policy
 
 
+@pytest.mark.parametrize("bits", [0, 4])
+def test_layer_scores_equal_each_layers_scores(bits, monkeypatch):
+  """layer_scores' one kernel call over all layers (layers folded into the batch; run here in
+  interpret mode), its per-layer XLA map and the min/max vmap each equal page_summary.scores
+  layer by layer."""
+  from kvjax.policies import page_summary
+  import ops
+
+  rng = np.random.default_rng(bits)
+  L, B, H, G, N, P, D = 3, 2, 2, 2, 5, 8, 32
+  q = jnp.asarray(rng.standard_normal((L, B, H * G, D)), jnp.float32)
+  if bits:
+    summary = (jnp.asarray(rng.integers(0, 256, (L, B, H, N, P, D * bits // 8)), jnp.uint8),
+               jnp.asarray(rng.standard_normal((L, B, H, D)), jnp.float32),
+               jnp.asarray(rng.uniform(0.1, 0.5, (L, B, H, D)), jnp.float32))
+  else:
+    kmin = jnp.asarray(rng.standard_normal((L, B, H, N, D)), jnp.float32)
+    summary = (kmin + 1.0, kmin)
+  want = np.stack([page_summary.scores(q[i], tuple(x[i] for x in summary), scale=0.5) for i in range(L)])
+  real = ops.key_page_scores
+  monkeypatch.setattr(ops, "key_page_scores", functools.partial(real, interpret=True))
+  for impl in ("pallas", "xla"):
+    got = freekv_policy.layer_scores(q, summary, scale=0.5, implementation=impl)
+    assert got.shape == (L, B, H, G, N)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=impl)
+
+
 def test_key_codes_hold_every_stored_key_and_select_the_next_pages():
   """After the prefill each sparse layer's codes quantize its stored prompt keys over their
   range; a decode step adds the token leaving the window at its page and offset; the next

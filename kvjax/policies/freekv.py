@@ -195,6 +195,14 @@ def pooled_scores(
   """Group-pooled page scores [B, Hkv, N] float32 (softmax over the candidates per query head,
   mean over the group); -inf for non-candidates."""
   s = page_summary.scores(q, summary, scale=scale, implementation=implementation)  # [B, Hkv, G, N]
+  return pool_scores(s, num_candidates)
+
+
+def pool_scores(
+    s,  # [B, Hkv, G, N] float32: per query head page scores (page_summary.scores)
+    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
+):
+  """pooled_scores from the per-head scores: [B, Hkv, N] float32, -inf for non-candidates."""
   N = s.shape[-1]
   cand = jnp.arange(N)[None, :] < num_candidates[:, None]  # [B, N]
   mask = cand[:, None, None, :]
@@ -352,13 +360,26 @@ def _keep_last_query(
   return state.replace(prev_q=state.prev_q.at[layer].set(jnp.where(keep, last_q, state.prev_q[layer])))
 
 
-def _over_layers(fn, summary: tuple, *args):
-  """fn(layer's summary, layer's args...) for every layer (leading axis L): vmapped for min/max
-  summaries, one layer at a time (lax.map) for key codes, whose scoring unpacks each layer's
-  codes to f32 levels ([B, Hkv, N, P, D]: ~0.5 GB a layer at 8B shapes and 128K)."""
+def layer_scores(
+    q,  # [L, B, Hq, D] unscaled: each layer's query
+    summary: tuple,  # every layer's page summary (leading axis L)
+    *,
+    scale: float,
+    implementation: str,
+):
+  """page_summary.scores for every layer: [L, B, Hkv, G, N] float32. Min/max bounds are
+  vmapped; key codes go to the Pallas kernel in one call (layers folded into the batch: no
+  per-layer slice of the codes), or through XLA one layer at a time (lax.map: it unpacks each
+  layer's codes to f32 levels, ~0.5 GB a layer at 8B shapes and 128K)."""
+  score = functools.partial(page_summary.scores, scale=scale, implementation=implementation)
   if len(summary) == 2:
-    return jax.vmap(fn)(summary, *args)
-  return jax.lax.map(lambda xs: fn(*xs), (summary,) + args)
+    return jax.vmap(score)(q, summary)
+  if implementation == "pallas":
+    L, B = q.shape[:2]
+    flat = lambda x: x.reshape((L * B,) + x.shape[2:])
+    s = score(flat(q), tuple(flat(x) for x in summary))
+    return s.reshape((L, B) + s.shape[1:])
+  return jax.lax.map(lambda xs: score(*xs), (q, summary))
 
 
 @functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale", "implementation"))
@@ -377,28 +398,25 @@ def _first_selection(
   fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
   [L, B, Hkv, n])."""
 
-  def one_layer(layer_summary, q, ids):
-    selection, plan = select_and_plan(q, layer_summary, num_candidates, ids, n_sel=n_sel, max_recall=max_recall,
-                                      scale=scale, implementation=implementation)
+  def one_layer(scores, ids):
+    selection, plan = select_and_plan(scores, num_candidates, ids, n_sel=n_sel, max_recall=max_recall)
     return (selection,) + plan
 
-  return _over_layers(one_layer, summary, prev_q, pool_ids)
+  scores = layer_scores(prev_q, summary, scale=scale, implementation=implementation)
+  return jax.vmap(one_layer)(scores, pool_ids)
 
 
 def select_and_plan(
-    q,  # [B, Hq, D]: the query that selects
-    summary: tuple,  # one layer's page summary (pooled_scores)
+    scores,  # [B, Hkv, G, N] float32: one layer's per-head page scores (page_summary.scores)
     num_candidates,  # [B] int32
     pool_ids,  # [B, Hkv, n] int32: the pool the plan fills
     *,
     n_sel: int,
     max_recall: int,
-    scale: float,
-    implementation: str = "xla",
 ):
   """One layer's selection [B, Hkv, n_sel] and its recall plan, plan_recall's (fetch, slots,
   pool ids after it)."""
-  pooled = pooled_scores(q, summary, num_candidates, scale=scale, implementation=implementation)
+  pooled = pool_scores(scores, num_candidates)
   selection = top_pages(pooled, n_sel)
   return selection, plan_recall(pool_ids, selection, pooled, max_recall)
 
@@ -856,10 +874,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     c_now = jnp.maximum(pos - W - S + 1, 0) // P  # complete pages after this step's eviction
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
-    def one_layer(summary, q, prev_q, primed, prev_sel, pool_ids, promised):
-      selection, (fetch, fetch_slots, promised) = select_and_plan(
-          q, summary, c_now, promised, n_sel=n, max_recall=R, scale=cfg.attn_scale,
-          implementation=self._score_impl(cfg))
+    def one_layer(scores, q, prev_q, primed, prev_sel, pool_ids, promised):
+      selection, (fetch, fetch_slots, promised) = select_and_plan(scores, c_now, promised, n_sel=n, max_recall=R)
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
@@ -870,9 +886,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
-    selection, promised, fetch, fetch_slots, counters = _over_layers(
-        one_layer, self._summary(state), state.step_q, state.prev_q, state.primed, state.selection, state.pool_ids,
-        state.promised_ids)
+    scores = layer_scores(state.step_q, self._summary(state), scale=cfg.attn_scale,
+                          implementation=self._score_impl(cfg))
+    selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
+        scores, state.step_q, state.prev_q, state.primed, state.selection, state.pool_ids, state.promised_ids)
     keep = lambda new, old: jnp.where(by_layer(sparse, new), new, old)  # dense layers keep "nothing"
     return state.replace(
         primed=state.primed | sparse,
@@ -960,7 +977,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           primed=state.primed.at[layer].set(True))
     summary = tuple(x[layer] for x in self._summary(state))
 
-    pooled_now = pooled_scores(q0, summary, c_prev, scale=cfg.attn_scale, implementation=self._score_impl(cfg))
+    scores = page_summary.scores(q0, summary, scale=cfg.attn_scale, implementation=self._score_impl(cfg))
+    pooled_now = pool_scores(scores, c_prev)  # (the same scores serve the next step's selection below)
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
@@ -972,9 +990,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     fetch, new_ids, sel_next = fetch_a, pool_ids_a, sel_now
     if self.speculative:
       # The next step's selection: q_t over the pages complete after this step's eviction.
-      sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(
-          q0, summary, c_now, pool_ids_a, n_sel=n, max_recall=R, scale=cfg.attn_scale,
-          implementation=self._score_impl(cfg))
+      sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(scores, c_now, pool_ids_a, n_sel=n, max_recall=R)
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.
