@@ -35,12 +35,13 @@ def test_decode_cli_default_run_finds_the_pass_key(tmp_path):
   assert data["passkey_found"], data["answer"]
 
 
-PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+PASSKEY_DEPTHS = (0.1, 0.5)
 
 
 @pytest.fixture(scope="module")
 def passkey_prompts():
-  return [kvjax.passkey_prompt(num_sentences=300, depth=d, seed=i) for i, d in enumerate(PASSKEY_DEPTHS)]
+  # ~1.6K tokens: both depths lie before the last 512 (the window): only the host's keys hold them
+  return [kvjax.passkey_prompt(num_sentences=200, depth=d, seed=i) for i, d in enumerate(PASSKEY_DEPTHS)]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """`retrieval`: exact when the budget covers the context, one host callback per layer and
 step, evicted tokens stay retrievable, host errors surface after the step."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -172,3 +173,17 @@ def test_background_threads_default_to_half_the_cores():
     runtime.close()
   with pytest.raises(ValueError, match="background_threads"):
     host_runtime.HostRuntime(context, sinks=0, window=1, topk=2, ef=None, scale=1.0, background_threads=0)
+
+
+def test_cpu_training_topk_equals_the_device_op():
+  """roar's training links on a CPU backend (NumPy, blocks of queries) are ops.exact_topk's."""
+  import ops
+  from kvjax.policies.retrieval import _train_topk
+
+  rng = np.random.default_rng(0)
+  queries = rng.standard_normal((6, 70, 16)).astype(np.float32)
+  keys = rng.standard_normal((2, 45, 16)).astype(np.float32)
+  got = _train_topk(queries, keys, 9, block=32)  # three query blocks, the last partial
+  want = np.asarray(ops.exact_topk(jnp.asarray(queries), jnp.asarray(keys), 9)[1])
+  assert got.dtype == np.int32 and got.shape == (6, 70, 9)
+  np.testing.assert_array_equal(got, want)
