@@ -26,15 +26,22 @@ _MIN_DOT_K = 16  # Triton's dot needs K >= 16: the bytes per key (D * bits / 8)
 def _kernel(
     qs_hi_ref,  # [Gp, D] bf16: q · step rounded (pad rows zero)
     qs_lo_ref,  # [Gp, D] bf16: q · step - qs_hi, rounded
-    codes_ref,  # [NB * P, Dc] uint8: NB pages' keys
-    out_ref,  # [Gp, NB] f32
+    codes_ref,  # [B, Hkv, N * P, Dc] uint8: every page's keys as rows (the whole array)
+    out_ref,  # [B, Hkv, Gp, N] f32 (the whole array)
     *,
     bits: int,
     page_size: int,
+    pages_per_block: int,
 ):
-  rows, dc = codes_ref.shape
+  b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  num_pages = out_ref.shape[-1]
+  dc = codes_ref.shape[-1]
   gp = qs_hi_ref.shape[0]
-  codes = codes_ref[...]
+  rows = pages_per_block * page_size
+  # The last block is shifted back inside the buffer (no padded copy of the codes, no masked
+  # loads); the pages it shares with the block before are written twice with equal values.
+  first = jnp.minimum(j * pages_per_block, num_pages - pages_per_block)
+  codes = codes_ref[b, h, pl.ds(first * page_size, rows), :]  # [R, Dc]
   acc = jnp.zeros((gp, rows), jnp.float32)
   dims = (((1,), (1,)), ((), ()))
   for plane in range(8 // bits):
@@ -44,8 +51,8 @@ def _kernel(
     for qs_ref in (qs_hi_ref, qs_lo_ref):
       q_plane = qs_ref[:, pl.ds(plane * dc, dc)]  # [Gp, Dc]
       acc += lax.dot_general(q_plane, levels, dims, preferred_element_type=jnp.float32)
-  # 2-D blocks and a max over the minor axis: the forms Triton lowers.
-  out_ref[...] = jnp.max(acc.reshape(gp, rows // page_size, page_size), axis=-1)
+  # 2-D tiles and a max over the minor axis: the forms Triton lowers.
+  out_ref[b, h, :, pl.ds(first, pages_per_block)] = jnp.max(acc.reshape(gp, pages_per_block, page_size), axis=-1)
 
 
 def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
@@ -63,28 +70,28 @@ def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
   """qs [B, Hkv, G, D] f32, codes [B, Hkv, N, P, Dc] -> Σ_d qs_d · level_d maxed per page [B, Hkv, G, N]."""
   B, H, G, D = qs.shape
   N, P, Dc = codes.shape[2:]
+  if N == 0:
+    return jnp.zeros((B, H, G, 0), jnp.float32)
   gp = _pad_groups(G)
-  nb = max(1, min(_LEVELS_PER_BLOCK // (P * Dc), pl.next_power_of_2(N)))  # pages per program: a power of two
-  blocks = pl.cdiv(N, nb)
-  if blocks * nb != N:  # a partial last block: pad with code 0 (sliced off below)
-    codes = jnp.pad(codes, ((0, 0), (0, 0), (0, blocks * nb - N), (0, 0), (0, 0)))
+  # Pages per program: a power of two, at most 16 KiB of codes and at most N (the shifted
+  # last block must fit in the buffer).
+  nb = min(_LEVELS_PER_BLOCK // (P * Dc), 1 << (N.bit_length() - 1))
   if gp != G:
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
   qs_hi = qs.astype(jnp.bfloat16)
   qs_lo = (qs - qs_hi.astype(jnp.float32)).astype(jnp.bfloat16)
-  rows = codes.reshape(B, H, blocks * nb * P, Dc)  # pages' keys as rows: free in XLA
   out = pl.pallas_call(
-      functools.partial(_kernel, bits=bits, page_size=P),
-      grid=(B, H, blocks),
+      functools.partial(_kernel, bits=bits, page_size=P, pages_per_block=nb),
+      grid=(B, H, pl.cdiv(N, nb)),
       in_specs=[pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
                 pl.BlockSpec((None, None, gp, D), lambda b, h, j: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, nb * P, Dc), lambda b, h, j: (b, h, j, 0))],
-      out_specs=pl.BlockSpec((None, None, gp, nb), lambda b, h, j: (b, h, 0, j)),
-      out_shape=jax.ShapeDtypeStruct((B, H, gp, blocks * nb), jnp.float32),
+                pl.no_block_spec],
+      out_specs=pl.no_block_spec,
+      out_shape=jax.ShapeDtypeStruct((B, H, gp, N), jnp.float32),
       interpret=interpret,
       name=f"kvjax_key_scores_b{bits}_p{P}",
-  )(qs_hi, qs_lo, rows)
-  return out[:, :, :G, :N]
+  )(qs_hi, qs_lo, codes.reshape(B, H, N * P, Dc))  # pages' keys as rows: a free reshape
+  return out[:, :, :G]
 
 
 def _check(q, codes, lo, step, bits: int, implementation: str) -> None:
