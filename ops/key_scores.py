@@ -58,11 +58,8 @@ def _kernel(
 def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
   """Whether the kernel compiles for a GPU: power-of-two pages and byte rows of >= 16 bytes."""
   dc = head_dim * bits // 8
-  return _is_pow2(page_size) and _is_pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _LEVELS_PER_BLOCK
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
+  pow2 = lambda n: pl.next_power_of_2(n) == n
+  return pow2(page_size) and pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _LEVELS_PER_BLOCK
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "interpret"))
