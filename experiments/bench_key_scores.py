@@ -4,6 +4,7 @@ of 2 / 4 bits, the latter through the Pallas kernel and through XLA.
 
     python experiments/bench_key_scores.py                      # 8B shapes, 32K and 128K, batch 1 and 4
     python experiments/bench_key_scores.py --contexts=1048576 --batches=1
+    python experiments/bench_key_scores.py --block_bytes=8192,16384,32768 --num_warps=4,8   # kernel sweep
 
 The inputs are random draws (codes uniform over their bytes, bounds and queries Gaussian): the
 work and the bytes read do not depend on the values. read_GBps = the summary's bytes / time.
@@ -11,6 +12,7 @@ work and the bytes read do not depend on the values. read_GBps = the summary's b
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
+import ops
 import results_io
 from kvjax.policies import freekv, page_summary
 
@@ -25,6 +28,8 @@ flags.DEFINE_list("contexts", ["32768", "131072"], "Tokens per sequence held as 
 flags.DEFINE_list("batches", ["1", "4"], "Sequences.")
 flags.DEFINE_list("summaries", list(page_summary.SUMMARIES), "Page summaries (minmax, keys2, keys4).")
 flags.DEFINE_list("implementations", ["pallas", "xla"], "Key-code scorers (min/max is always XLA).")
+flags.DEFINE_list("block_bytes", [], "Kernel sweep: code bytes per program (empty: the kernel's default only).")
+flags.DEFINE_list("num_warps", [], "Kernel sweep: warps per program (empty: the kernel's default only).")
 flags.DEFINE_integer("layers", 32, "Layers scored per step.")
 flags.DEFINE_integer("q_heads", 32, "Query heads.")
 flags.DEFINE_integer("kv_heads", 8, "KV heads.")
@@ -58,6 +63,23 @@ def _median_ms(fn, *args) -> float:
   return 1e3 * statistics.median(times)
 
 
+def _kernel_configs() -> list[tuple[int | None, int | None]]:
+  """(block_bytes, num_warps) pairs to time; (None, None) is the default freekv uses."""
+  sweep = list(itertools.product([int(b) for b in FLAGS.block_bytes] or [None],
+                                 [int(w) for w in FLAGS.num_warps] or [None]))
+  return [(None, None)] + [c for c in sweep if c != (None, None)]
+
+
+def _swept_scores(q, summary, *, scale: float, block_bytes: int, num_warps: int):
+  """freekv.layer_scores' Pallas call (layers folded into the batch) with a kernel config."""
+  codes, lo, step = summary
+  L, B = q.shape[:2]
+  flat = lambda x: x.reshape((L * B,) + x.shape[2:])
+  bits = 8 * codes.shape[-1] // q.shape[-1]
+  return ops.key_page_scores(flat(q), flat(codes), flat(lo), flat(step), bits=bits, scale=scale,
+                             block_bytes=block_bytes, num_warps=num_warps)
+
+
 def main(argv):
   del argv
   L, Hq, H, D, P = FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.page_size
@@ -71,12 +93,18 @@ def main(argv):
         nbytes = sum(x.size * x.dtype.itemsize for x in summary)
         impls = FLAGS.implementations if page_summary.bits_of(kind) else ["xla"]
         for impl in impls:
-          fn = jax.jit(lambda q, s, impl=impl: freekv.layer_scores(q, s, scale=D**-0.5, implementation=impl))
-          ms = _median_ms(fn, q, summary)
-          row = dict(context=context, batch=B, summary=kind, implementation=impl, ms=round(ms, 3),
-                     summary_bytes=nbytes, read_GBps=round(nbytes / ms / 1e6, 1))
-          print(row, flush=True)
-          rows.append(row)
+          for block_bytes, num_warps in _kernel_configs() if impl == "pallas" else [(None, None)]:
+            if block_bytes is None and num_warps is None:  # exactly what a freekv step calls
+              fn = jax.jit(lambda q, s, impl=impl: freekv.layer_scores(q, s, scale=D**-0.5, implementation=impl))
+            else:
+              fn = jax.jit(lambda q, s, bb=block_bytes, nw=num_warps: _swept_scores(
+                  q, s, scale=D**-0.5, block_bytes=bb, num_warps=nw))
+            ms = _median_ms(fn, q, summary)
+            row = dict(context=context, batch=B, summary=kind, implementation=impl,
+                       block_bytes=block_bytes or "default", num_warps=num_warps or "default", ms=round(ms, 3),
+                       summary_bytes=nbytes, read_GBps=round(nbytes / ms / 1e6, 1))
+            print(row, flush=True)
+            rows.append(row)
       del summary
   notes = (f"freekv.layer_scores over {L} layers, {Hq} query / {H} KV heads, head_dim {D}, pages of {P}: "
            "the per-head page scores one step's selection needs. Random inputs; median of "

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from ops.partial_attention import _pad_groups
 
-_LEVELS_PER_BLOCK = 16384  # code bytes per program (rows * Dc): bounds the unpacked tile's registers
+_LEVELS_PER_BLOCK = 8192  # code bytes per program (rows * Dc): the fastest of 4-64 KiB on the H200 (bench_key_scores_sweep_8b_128k.md)
 _MIN_DOT_K = 16  # Triton's dot needs K >= 16: the bytes per key (D * bits / 8)
 
 
@@ -62,21 +63,21 @@ def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
   return pow2(page_size) and pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _LEVELS_PER_BLOCK
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "interpret"))
-def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("bits", "interpret", "block_bytes", "num_warps"))
+def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool, block_bytes: int | None, num_warps: int | None):
   """qs [B, Hkv, G, D] f32, codes [B, Hkv, N, P, Dc] -> Σ_d qs_d · level_d maxed per page [B, Hkv, G, N]."""
   B, H, G, D = qs.shape
   N, P, Dc = codes.shape[2:]
   if N == 0:
     return jnp.zeros((B, H, G, 0), jnp.float32)
   gp = _pad_groups(G)
-  # Pages per program: a power of two, at most 16 KiB of codes and at most N (the shifted
-  # last block must fit in the buffer).
-  nb = min(_LEVELS_PER_BLOCK // (P * Dc), 1 << (N.bit_length() - 1))
+  # Pages per program: a power of two, at most block_bytes of codes (at least one page) and at
+  # most N (the shifted last block must fit in the buffer).
+  nb = max(1, min((block_bytes or _LEVELS_PER_BLOCK) // (P * Dc), 1 << (N.bit_length() - 1)))
+  nb = 1 << (nb.bit_length() - 1)
   if gp != G:
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))
-  qs_hi = qs.astype(jnp.bfloat16)
-  qs_lo = (qs - qs_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  qs_hi, qs_lo = split_bf16(qs)
   out = pl.pallas_call(
       functools.partial(_kernel, bits=bits, page_size=P, pages_per_block=nb),
       grid=(B, H, pl.cdiv(N, nb)),
@@ -86,9 +87,22 @@ def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool):
       out_specs=pl.no_block_spec,
       out_shape=jax.ShapeDtypeStruct((B, H, gp, N), jnp.float32),
       interpret=interpret,
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps or 4),
       name=f"kvjax_key_scores_b{bits}_p{P}",
   )(qs_hi, qs_lo, codes.reshape(B, H, N * P, Dc))  # pages' keys as rows: a free reshape
   return out[:, :, :G]
+
+
+def split_bf16(x):
+  """x f32 -> (hi, lo) bf16 with hi + lo = x to ~2^-16 relative.
+
+  hi is x with its low 16 bits cleared (exact in bf16), so x - hi is exact in f32. Rounding
+  through `x.astype(bf16).astype(f32)` instead would not survive XLA's excess-precision
+  simplification, which drops that round trip on GPUs: lo came out zero and the scores lost
+  q·step's low bits (2e-4 relative errors on the H200)."""
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  hi = lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+  return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
 def _check(q, codes, lo, step, bits: int, implementation: str) -> None:
@@ -116,11 +130,14 @@ def key_page_scores(
     scale: float,
     implementation: str = "pallas",
     interpret: bool = False,
+    block_bytes: int | None = None,
+    num_warps: int | None = None,
 ) -> jax.Array:
   """scale · max over each page's keys of q·k̂, per query head: [B, Hkv, G, N] float32.
 
   implementation "pallas" (the kernel above; interpret=True on a CPU) or "xla" (the float32
-  reference, unpacking every level).
+  reference, unpacking every level). block_bytes (code bytes per program, rounded down to a
+  power-of-two number of pages) and num_warps tune the kernel (defaults: 8 KiB, 4).
   """
   _check(q, codes, lo, step, bits, implementation)
   B, Hq, D = q.shape
@@ -135,7 +152,7 @@ def key_page_scores(
     per_key = jnp.einsum("BHGD,BHNPD->BHGNP", qs, unpack_planes(codes, bits), precision=lax.Precision.HIGHEST)
     raw = jnp.max(per_key, axis=-1)
   else:
-    raw = _key_scores_pallas(qs, codes, bits=bits, interpret=interpret)
+    raw = _key_scores_pallas(qs, codes, bits=bits, interpret=interpret, block_bytes=block_bytes, num_warps=num_warps)
   return (raw + offset[..., None]) * scale
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import ops
-from ops.key_scores import unpack_planes
+from ops.key_scores import split_bf16, unpack_planes
 
 
 def _case(seed, B=2, Hq=6, H=2, N=37, P=8, D=32, bits=2):
@@ -53,6 +53,28 @@ def test_kernel_matches_numpy_and_xla(bits, N, P, D, interpret):
   assert got.shape == (B, H, Hq // H, N)
   np.testing.assert_allclose(np.asarray(ref), want, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=ON_GPU)])
+@pytest.mark.parametrize("block_bytes", [1, 3 * 32 * 16, 1 << 20])
+def test_block_bytes_round_to_whole_pages(block_bytes, interpret):
+  # 1 byte: one page per program; 3 pages' bytes: 2 pages; 1 MiB: capped by the 37 pages (32).
+  q, codes, lo, step = _case(5, N=37, P=32, D=64, bits=2)
+  args = [jnp.asarray(x) for x in (q, codes, lo, step)]
+  want = ops.key_page_scores_reference(*args, bits=2, scale=0.5)
+  got = ops.key_page_scores(*args, bits=2, scale=0.5, interpret=interpret, block_bytes=block_bytes, num_warps=8)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def test_split_bf16_keeps_the_low_part():
+  # Under jit, on whichever backend runs the tests: the H200's XLA had simplified an
+  # f32 -> bf16 -> f32 round trip away, which left lo = 0.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 10.0 ** np.arange(-3, 5).repeat(512))
+  hi, lo = jax.jit(split_bf16)(x)
+  assert hi.dtype == lo.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(hi, np.float64) + np.asarray(lo, np.float64) - np.asarray(x, np.float64))
+  assert np.all(err <= 2.0**-15 * np.abs(np.asarray(x))), err.max()
+  assert np.any(np.asarray(lo) != 0)
 
 
 def test_pallas_supported():
