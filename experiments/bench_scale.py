@@ -74,6 +74,10 @@ flags.DEFINE_boolean("layer_major", False, "Real contexts: layer-major prefill (
 flags.DEFINE_integer("trace", 0, "GPU only: decode under the profiler and write each row's top N kernel groups "
                      "(device time per step after the first) to <name>_kernels; the traced rows' latencies "
                      "carry the profiler's overhead.")
+flags.DEFINE_boolean("step_times", False, "Add each decode step's ms to the rows (decode_ms_steps).")
+flags.DEFINE_enum("compile_ahead", "auto", ["auto", "on", "off"], "per_step bridges: compile the update "
+                  "scatter's neighbouring sizes in the background (kvjax.row_update.CompileAhead; auto: off on "
+                  "a CPU backend).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -161,7 +165,10 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
              tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
              prefill_and_index_s=round(prefill_total, 2),
              callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
-  return row | trace | results_io.decode_fields(result)
+  row = row | trace | results_io.decode_fields(result)
+  if FLAGS.step_times:  # where the mean's excess over the median comes from
+    row["decode_ms_steps"] = " ".join(f"{1e3 * t:.1f}" for t in result.decode_seconds)
+  return row
 
 
 def summaries(rows: list[dict]) -> list[dict]:
@@ -186,6 +193,8 @@ def summaries(rows: list[dict]) -> list[dict]:
 
 def main(argv):
   del argv
+  from kvjax import row_update  # pylint: disable=g-import-not-at-top
+  row_update.scatter_rows_ahead.enabled = dict(auto=None, on=True, off=False)[FLAGS.compile_ahead]
   counts = [int(n) for n in FLAGS.devices]
   lengths = [int(n) for n in FLAGS.context_lens]
   batches = [int(n) for n in FLAGS.batches]
