@@ -75,9 +75,6 @@ flags.DEFINE_integer("trace", 0, "GPU only: decode under the profiler and write 
                      "(device time per step after the first) to <name>_kernels; the traced rows' latencies "
                      "carry the profiler's overhead.")
 flags.DEFINE_boolean("step_times", False, "Add each decode step's ms to the rows (decode_ms_steps).")
-flags.DEFINE_enum("compile_ahead", "auto", ["auto", "on", "off"], "per_step bridges: compile the update "
-                  "scatter's neighbouring sizes in the background (kvjax.row_update.CompileAhead; auto: off on "
-                  "a CPU backend).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -193,8 +190,6 @@ def summaries(rows: list[dict]) -> list[dict]:
 
 def main(argv):
   del argv
-  from kvjax import row_update  # pylint: disable=g-import-not-at-top
-  row_update.scatter_rows_ahead.enabled = dict(auto=None, on=True, off=False)[FLAGS.compile_ahead]
   counts = [int(n) for n in FLAGS.devices]
   lengths = [int(n) for n in FLAGS.context_lens]
   batches = [int(n) for n in FLAGS.batches]

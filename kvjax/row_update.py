@@ -10,11 +10,9 @@ machine four separate copies took 4.6 ms per step for 3.5 MB of SmolLM2 rows, on
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
-import threading
 import time
 
 import jax
@@ -62,31 +60,17 @@ class RowUpdate:
 
 def padded_size(n: int) -> int:
   """A static size >= n from a short geometric ladder (ratio 2^(1/4), multiples of 64), so a
-  handful of compiled scatter shapes serve every step and padding stays under ~26%."""
+  handful of compiled scatter shapes serve every step and padding stays under ~26%.
+
+  Compiling the sizes next to each one used on a background thread, before a step needs them,
+  was tried (a421b5b) and dropped: the slow steps of a decode on the H200 were its first three
+  (the pool filling), not new sizes met later, and the steady steps showed no gain (freekv
+  8B shapes, 128K: 17.4 ms median with it against 13.4 without in one pair of runs, 11.5 in
+  a third; experiments/results/bench_scale_8b_synthetic_128k_ahead_*.md)."""
   if n <= 64:
     return 64
   size = 2.0 ** (np.ceil(4 * np.log2(n)) / 4)
   return int(-(-int(np.ceil(size)) // 64) * 64)
-
-
-def ladder_rungs(upto: int) -> list[int]:
-  """Every size padded_size returns, in order, up to the first >= `upto`."""
-  rungs = [64]
-  while rungs[-1] < upto:
-    rungs.append(padded_size(rungs[-1] + 1))
-  return rungs
-
-
-def ladder_neighbours(size: int, reach: int) -> list[int]:
-  """The padded sizes up to `reach` rungs below and above `size`, nearest first."""
-  rungs = ladder_rungs(size)
-  i = len(rungs) - 1  # the first rung >= size
-  for _ in range(reach):
-    rungs.append(padded_size(rungs[-1] + 1))
-  out = []
-  for step in range(1, reach + 1):
-    out += [rungs[i + step]] + ([rungs[i - step]] if i >= step else [])
-  return out
 
 
 class StepBuffers:
@@ -155,55 +139,6 @@ class TransferTimer:
     return out
 
 
-class CompileAhead:
-  """`scatter_rows` that first queues, on a background thread, the compiles of the ladder
-  sizes next to each size it is called with, so a later step finds them compiled.
-
-  Why: each padded update size is its own compile, and an update's size drifts over a
-  decode, so new sizes kept turning up mid-decode (4 in 48 steps of a small freekv per_step
-  run on the CPU, each step that met one 2-4x the median). Sizes drift a rung or two at a
-  time: compiling `reach` rungs on either side of every size seen covers most steps, and a
-  size outside them still compiles in the step, as before. Off where the step itself runs on
-  the CPU (enabled=None): there the compiles take the cores the step needs (that small run
-  took 13% longer in all with them).
-  """
-
-  def __init__(self, reach: int = 2, enabled: bool | None = None):
-    self.reach = reach
-    self.enabled = enabled
-    self.compiled: list[int] = []  # packed byte sizes compiled ahead, in order (for tests)
-    self._lock = threading.Lock()
-    self._started: set = set()
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-compile-ahead")
-
-  def __call__(self, buf_k, buf_v, buf_ids, packed):
-    enabled = self.enabled if self.enabled is not None else jax.default_backend() != "cpu"
-    if enabled:
-      self._queue_neighbours(buf_k, buf_v, buf_ids, packed)
-    return scatter_rows(buf_k, buf_v, buf_ids, packed)
-
-  def drain(self) -> None:
-    """Waits for the compiles queued so far."""
-    self._pool.submit(lambda: None).result()
-
-  def _queue_neighbours(self, buf_k, buf_v, buf_ids, packed) -> None:
-    row_bytes = 8 + 2 * math.prod(buf_k.shape[buf_ids.ndim:]) * jnp.dtype(buf_k.dtype).itemsize
-    abstract = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    bufs = tuple(abstract(x) for x in (buf_k, buf_v, buf_ids))
-    sharding = getattr(packed, "sharding", None)
-    with self._lock:
-      self._started.add((bufs, packed.shape[0]))
-      todo = [n * row_bytes for n in ladder_neighbours(packed.shape[0] // row_bytes, self.reach)]
-      todo = [n for n in todo if (bufs, n) not in self._started]
-      self._started.update((bufs, n) for n in todo)
-    for nbytes in todo:
-      self._pool.submit(self._compile, bufs, jax.ShapeDtypeStruct((nbytes,), jnp.uint8, sharding=sharding))
-
-  def _compile(self, bufs: tuple, packed) -> None:
-    scatter_rows.lower(*bufs, packed).compile()  # a later call with these shapes finds it in jax's caches
-    self.compiled.append(packed.shape[0])
-
-
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def scatter_rows(
     buf_k,  # [..., slots, *row]: e.g. [L, B, Hq, slots, D] or [L, B, Hkv, slots, P, D]
@@ -228,6 +163,3 @@ def scatter_rows(
   put = lambda buf, new: buf.reshape(-1, *new.shape[1:]).at[dest].set(
       new, mode="drop", unique_indices=True).reshape(buf.shape)
   return put(buf_k, rows_k), put(buf_v, rows_v), put(buf_ids, ids)
-
-
-scatter_rows_ahead = CompileAhead()  # one background compiler for every per_step runtime

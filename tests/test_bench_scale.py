@@ -3,6 +3,7 @@ summary rows follow from its rows."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -48,8 +49,11 @@ def test_retrieval_rows_share_one_index_build(tmp_path):
 
 
 def test_real_contexts_on_two_simulated_devices(tmp_path):
-  doc = run_bench(tmp_path, "real", "--devices=1,2", "--context_lens=256", "--policies=full")
+  doc = run_bench(tmp_path, "real", "--devices=1,2", "--context_lens=256", "--policies=full", "--step_times")
   assert [r["devices"] for r in doc["rows"]] == [1, 2] and all("decode_ms" in r for r in doc["rows"])
+  for r in doc["rows"]:  # --step_times: the steps after the first, whose median is decode_ms
+    steps = [float(t) for t in r["decode_ms_steps"].split()]
+    assert len(steps) == 2 and statistics.median(steps) == pytest.approx(r["decode_ms"], abs=0.06)
 
 
 def test_ragged_batches_through_a_host_backed_policy(tmp_path):

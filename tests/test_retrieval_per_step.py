@@ -16,7 +16,6 @@ from kvjax import host_runtime
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
 from kvjax.prefetch_runtime import PrefetchRuntime
-from kvjax import row_update
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
@@ -219,38 +218,3 @@ def test_padded_size_is_a_short_ladder():
   assert all(s >= n and s % 64 == 0 for s, n in zip(sizes, range(0, 20000, 7)))
   assert max(s / n for s, n in zip(sizes, range(0, 20000, 7)) if n > 512) < 1.27
   assert len(set(sizes)) < 40
-
-
-def test_every_padded_size_is_a_ladder_rung():
-  rungs = row_update.ladder_rungs(50000)
-  assert rungs == sorted(set(rungs)) and rungs[-1] >= 50000
-  assert {padded_size(n) for n in range(0, 45000, 3)} <= set(rungs)
-  assert row_update.ladder_neighbours(rungs[5], 2) == [rungs[6], rungs[4], rungs[7], rungs[3]]
-  assert row_update.ladder_neighbours(64, 1) == [rungs[1]]
-
-
-def test_compile_ahead_scatters_as_scatter_rows_and_compiles_the_neighbours():
-  shape, width = (2, 1, 3, 32), 4  # [L, B, H, slots], rows of 4 floats: 192 slots
-  row_bytes = 8 + 2 * width * 4
-  buffers = lambda: (jnp.zeros(shape + (width,)), jnp.zeros(shape + (width,)), jnp.full(shape, -1, jnp.int32))
-  n = 70  # padded to 128 entries
-  update = row_update.new_update(row_update.StepBuffers(), n, 192, width, np.float32)
-  assert update.size == 128
-  dest = np.random.default_rng(0).permutation(192)[:n]
-  update.dest[:n] = dest
-  update.ids[:n] = np.arange(n) + 100
-  update.k[:n] = np.arange(n * width).reshape(n, width)
-  update.v[:n] = -update.k[:n]
-  update.pad(192)
-  ahead = row_update.CompileAhead(reach=1, enabled=True)
-  got = ahead(*buffers(), jnp.asarray(update.packed))
-  want = row_update.scatter_rows(*buffers(), jnp.asarray(update.packed))
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-  np.testing.assert_array_equal(np.asarray(got[2]).reshape(-1)[dest], np.arange(n) + 100)
-  np.testing.assert_array_equal(np.asarray(got[0]).reshape(-1, width)[dest], update.k[:n])
-  ahead.drain()
-  assert sorted(ahead.compiled) == [64 * row_bytes, 192 * row_bytes]  # the rungs beside 128
-  ahead(*buffers(), jnp.asarray(update.packed))  # the same size again: nothing new to compile
-  ahead.drain()
-  assert len(ahead.compiled) == 2

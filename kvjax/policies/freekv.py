@@ -814,7 +814,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def _land(self, state: FreeKVState, packed) -> FreeKVState:
     """Scatters a packed update into the pool in place."""
-    pool_k, pool_v, pool_ids = row_update.scatter_rows_ahead(state.pool_k, state.pool_v, state.pool_ids, packed)
+    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     pool_slots, pool_counts = _occupied_slots(pool_ids)

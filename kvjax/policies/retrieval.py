@@ -453,7 +453,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 def _apply_update(state: RetrievalState, packed) -> RetrievalState:
   """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the
   state's row buffers, in place."""
-  buf_k, buf_v, buf_ids = row_update.scatter_rows_ahead(state.buf_k, state.buf_v, state.buf_ids, packed)
+  buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
   return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
 
