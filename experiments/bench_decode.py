@@ -44,6 +44,8 @@ POLICIES = {
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
     "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
     "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
+    "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
+    "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name.")
