@@ -66,6 +66,42 @@ def build_runtime(rng) -> PrefetchRuntime:
   return runtime
 
 
+def compare_gathers(runtime: PrefetchRuntime, update, reps: int = 20) -> dict:
+  """One update's entering rows gathered with a C call per (layer, seq) store, as the bridge
+  did before gather_rows_many, against one call over every store: median ms of each."""
+  dest, ids = update.dest[:update.count].astype(np.int64), update.ids[:update.count].astype(np.int64)
+  S = runtime.slots
+  per_group = FLAGS.q_heads * S
+  layer_of, heads = dest // per_group, (dest % per_group) // S // runtime.context.group
+  store, threads = runtime.context.store, runtime.search_threads
+  out_k, out_v = np.empty_like(update.k[:update.count]), np.empty_like(update.v[:update.count])
+
+  def per_store():
+    for layer in np.unique(layer_of):
+      at = np.flatnonzero(layer_of == layer)  # contiguous: dest is sorted
+      lo, hi = at[0], at[-1] + 1
+      store.gather_rows(0, int(layer), heads[lo:hi], ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
+                        threads=threads)
+
+  def one_call():
+    groups, group_of = np.unique(layer_of, return_inverse=True)
+    store.gather_rows_many([(0, int(g)) for g in groups], group_of, heads, ids, out_k=out_k, out_v=out_v,
+                           threads=threads)
+
+  times = {}
+  for name, fn in (("per_store", per_store), ("one_call", one_call)) * 2:  # interleaved, twice
+    for _ in range(reps // 2):
+      t = time.perf_counter()
+      fn()
+      times.setdefault(name, []).append(time.perf_counter() - t)
+  one_k = out_k.copy()
+  per_store()
+  assert np.array_equal(one_k, out_k), "the two gathers differ"
+  ms = {name: round(1e3 * float(np.median(t)), 3) for name, t in times.items()}
+  return dict(kind="gather_compare", rows=int(update.count), stores=len(np.unique(layer_of)),
+              per_store_ms=ms["per_store"], one_call_ms=ms["one_call"])
+
+
 def main(argv):
   del argv
   rng = np.random.default_rng(0)
@@ -100,6 +136,7 @@ def main(argv):
       shipped.append(update.count)
       packed_bytes.append(update.packed.nbytes)
     runtime._wait_background(-1)
+    compare = compare_gathers(runtime, update)
   finally:
     runtime.close()
   median = lambda key: round(1e3 * float(np.median([s[key] for s in per_step])), 3)
@@ -111,7 +148,7 @@ def main(argv):
                            - median("gather_seconds"), 3),
              shipped_rows=int(np.median(shipped)), slots=L * Hq * (FLAGS.topk + 8),
              update_bytes=int(np.median(packed_bytes)))
-  rows = [row]
+  rows = [row, compare]
   stats = pstats.Stats(profiler)
   top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:FLAGS.profile_top]  # by own time
   for (filename, line, function), (_, calls, own, cumulative, _) in top:

@@ -311,26 +311,35 @@ class KVStore:
         Returns:
             (out_k, out_v), [P, page_size, D] each.
         """
+        return self._gather_multi(groups, group_of, kv_heads, page_ids, self.page_size, "page_ids",
+                                  out_k=out_k, out_v=out_v, threads=threads)
+
+    def _gather_multi(self, groups, group_of, kv_heads, ids, page: int, what: str, *, out_k, out_v, threads):
+        """[P, page, D] K and V: runs ids[i] * page .. + page - 1 of head kv_heads[i] of store
+        groups[group_of[i]], zero past the stored length; with page 1, id -1 is a zero row."""
         g = _dtypes.as_ids(group_of, "group_of", ndim=1)
         h = _dtypes.as_ids(kv_heads, "kv_heads", ndim=1)
-        p = _dtypes.as_ids(page_ids, "page_ids", ndim=1)
+        p = _dtypes.as_ids(ids, what, ndim=1)
         if not g.shape == h.shape == p.shape:
-            raise ValueError(f"group_of {g.shape}, kv_heads {h.shape} and page_ids {p.shape} differ in length")
+            raise ValueError(f"group_of {g.shape}, kv_heads {h.shape} and {what} {p.shape} differ in length")
         stores = [self.buffers(int(seq), int(layer)) for seq, layer in groups]
         lens = np.array([n for _, _, n in stores], np.int64)
         if g.size and (g.min() < 0 or g.max() >= len(stores)):
             raise ValueError(f"group_of must lie in [0, {len(stores)})")
         if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
             raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
-        if p.size and (p.min() < 0 or np.any(p * self.page_size >= lens[g])):
-            bad = int(np.flatnonzero((p < 0) | (p * self.page_size >= lens[g]))[0])
-            raise ValueError(f"page_ids[{bad}] = {p[bad]} is not a stored page of (seq, layer) "
-                             f"{tuple(groups[g[bad]])} ({lens[g[bad]]} tokens)")
-        outs = self._out_buffers((h.size, self.page_size, self.head_dim), out_k, out_v)
+        lowest = -1 if page == 1 else 0
+        bad = (p < lowest) | (p * page >= lens[g]) if p.size else np.zeros(0, bool)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            unit = "row (or -1)" if page == 1 else "page"
+            raise ValueError(f"{what}[{i}] = {p[i]} is not a stored {unit} of (seq, layer) "
+                             f"{tuple(groups[g[i]])} ({lens[g[i]]} tokens)")
+        outs = self._out_buffers((h.size, page, self.head_dim), out_k, out_v)
         caps = np.array([k.shape[1] for k, _, _ in stores], np.int64)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
         _core.gather_pages_multi([k for k, _, _ in stores], [v for _, v, _ in stores], self.code,
-                                 self.num_kv_heads, self.head_dim, self.page_size, caps, lens, g, h, p,
+                                 self.num_kv_heads, self.head_dim, page, caps, lens, g, h, p,
                                  h.size, outs[0], outs[1], nthreads)
         return outs[0], outs[1]
 
@@ -365,16 +374,33 @@ class KVStore:
                 outside [0, num_kv_heads); nothing is copied.
         """
         self._check(seq, layer)
-        i = np.ascontiguousarray(np.asarray(ids, np.int64))
-        h = np.ascontiguousarray(np.broadcast_to(np.asarray(kv_heads, np.int64), i.shape))
-        K, V, n = self.buffers(seq, layer)
-        if i.size and (i.min() < -1 or i.max() >= n):
-            raise ValueError(f"ids must lie in [0, {n}) (or be -1) for {n} stored tokens; "
-                             f"got [{i.min()}, {i.max()}]")
-        if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
-            raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
-        outs = self._out_buffers(i.shape + (self.head_dim,), out_k, out_v)
-        nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        _core.gather_rows(K, V, self.code, self.num_kv_heads, K.shape[1], n, self.head_dim,
-                          h, i, i.size, outs[0], outs[1], nthreads)
-        return outs[0], outs[1]
+        i = np.asarray(ids, np.int64)
+        h = np.broadcast_to(np.asarray(kv_heads, np.int64), i.shape)
+        return self.gather_rows_many([(seq, layer)], np.zeros(i.size, np.int64), h.reshape(-1), i.reshape(-1),
+                                     out_k=out_k, out_v=out_v, threads=threads, shape=i.shape)
+
+    def gather_rows_many(self, groups, group_of, kv_heads, ids, *, out_k=None, out_v=None, threads=None,
+                         shape=None):
+        """gather_rows over several (seq, layer) stores in one C call (one parallel loop over
+        every row): row i comes from store groups[group_of[i]]. A call per store cost the
+        per_step bridge a thread team per (layer, seq) each step.
+
+        Args:
+            groups: sequence of G (seq, layer) pairs.
+            group_of, kv_heads, ids: [T] int each; id -1 = a zero row.
+            out_k, out_v: optional C-contiguous arrays of T rows of D in the storage dtype.
+            shape: the leading shape of the result (default [T]).
+
+        Returns:
+            (out_k, out_v) [*shape, D] in the storage dtype.
+        """
+        shape = (np.asarray(ids).size,) if shape is None else tuple(shape)
+        rows = []  # the caller's buffers as [T, 1, D] views (C order: no copy)
+        for name, o in (("out_k", out_k), ("out_v", out_v)):
+            if o is not None and not (isinstance(o, np.ndarray) and o.flags.c_contiguous
+                                      and o.size == np.prod(shape) * self.head_dim):
+                raise ValueError(f"{name} must be a C-contiguous array of {shape} rows of {self.head_dim}")
+            rows.append(None if o is None else o.reshape(-1, 1, self.head_dim))
+        k, v = self._gather_multi(groups, group_of, kv_heads, ids, 1, "ids", out_k=rows[0], out_v=rows[1],
+                                  threads=threads)
+        return k.reshape(shape + (self.head_dim,)), v.reshape(shape + (self.head_dim,))

@@ -169,7 +169,7 @@ class PrefetchRuntime(HostRuntime):
 
   def _gather_update(self, wanted) -> RowUpdate:
     """The RowUpdate from `slot_ids` to `wanted` [L, B, Hq, slots] (slot_ids advanced to it):
-    entering rows gathered from the store in one threaded C call per (layer, seq)."""
+    entering rows gathered from every (layer, seq) store in one threaded C call."""
     L, B, Hq, S = wanted.shape
     dest, ids = host_index.assign_slots(self.slot_ids.reshape(-1, S), wanted.reshape(-1, S),
                                         threads=self.search_threads)
@@ -178,15 +178,12 @@ class PrefetchRuntime(HostRuntime):
     store = self.context.store
     dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
     update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
-    out_k, out_v = update.k, update.v
-    per_group = Hq * S  # slots of one (layer, seq), contiguous in dest order
-    bounds = np.searchsorted(dest, np.arange(L * B + 1) * per_group)
-    for group in np.flatnonzero(np.diff(bounds)):
-      layer, b = divmod(int(group), B)
-      lo, hi = bounds[group], bounds[group + 1]
-      heads = (dest[lo:hi] % per_group) // S // self.context.group
-      store.gather_rows(b, layer, heads, ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
-                        threads=self.search_threads)  # id -1: a zero row
+    per_group = Hq * S  # slots of one (layer, seq)
+    groups, group_of = np.unique(dest // per_group, return_inverse=True)  # flat (layer, seq) = layer * B + seq
+    heads = (dest % per_group) // S // self.context.group
+    store.gather_rows_many([(int(g) % B, int(g) // B) for g in groups], group_of, heads, ids,
+                           out_k=update.k[:dest.size], out_v=update.v[:dest.size],
+                           threads=self.search_threads)  # id -1: a zero row
     update.dest[:dest.size] = dest
     update.ids[:dest.size] = ids
     update.pad(L * B * Hq * S)

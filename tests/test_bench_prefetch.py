@@ -16,7 +16,9 @@ def test_bench_prefetch_small(tmp_path):
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   doc = json.loads((tmp_path / "small.json").read_text())
-  step, *profile = doc["rows"]
+  step, compare, *profile = doc["rows"]
+  assert compare["kind"] == "gather_compare" and compare["rows"] > 0 and compare["stores"] == 2
+  assert compare["per_store_ms"] > 0 and compare["one_call_ms"] > 0
   assert step["kind"] == "prefetch_step" and step["slots"] == 2 * 4 * (10 + 8)
   assert 0 < step["shipped_rows"] <= step["slots"]  # queries drift: some rows enter, never more than all
   assert step["total_ms"] >= step["search_ms"] > 0

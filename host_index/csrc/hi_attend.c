@@ -211,49 +211,27 @@ int hi_gather_pages_multi(const void *const *k, const void *const *v, const int6
     if (len[g] < 0 || len[g] > cap[g]) return HI_EINVAL;
   for (int64_t p = 0; p < P; p++) {
     const int64_t g = group[p];
-    if (g < 0 || g >= G || heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < 0 ||
+    if (g < 0 || g >= G || heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < -1 ||
         page_ids[p] * page >= len[g])
       return HI_EINVAL;
   }
-#pragma omp parallel for schedule(static) \
-    num_threads(hi_team(threads, P, P * page * (int64_t)row / 4))
+  /* Single rows sit at random places in the store: their copy waits on memory latency, not
+   * on bandwidth, so a thread per 16 KiB of rows (sizing by bytes / 4 gave 2 threads for 2K
+   * rows of 256 B, the 8B shapes' per-layer gather); pages are contiguous runs. */
+  const int64_t work = page == 1 ? P * (int64_t)row * 4 : P * page * (int64_t)row / 4;
+#pragma omp parallel for schedule(static) num_threads(hi_team(threads, P, work))
   for (int64_t p = 0; p < P; p++) {
     const int64_t g = group[p];
     const int64_t start = page_ids[p] * page;
-    const int64_t nrow = len[g] - start < page ? len[g] - start : page;
-    const size_t src = ((size_t)heads[p] * (size_t)cap[g] + (size_t)start) * row;
+    int64_t nrow = len[g] - start < page ? len[g] - start : page;
+    if (page_ids[p] < 0) nrow = 0;
+    const size_t src = ((size_t)heads[p] * (size_t)cap[g] + (size_t)(nrow ? start : 0)) * row;
     char *dk = (char *)out_k + (size_t)p * page * row;
     char *dv = (char *)out_v + (size_t)p * page * row;
     memcpy(dk, (const char *)k[g] + src, (size_t)nrow * row);
     memcpy(dv, (const char *)v[g] + src, (size_t)nrow * row);
     memset(dk + nrow * row, 0, (size_t)(page - nrow) * row);
     memset(dv + nrow * row, 0, (size_t)(page - nrow) * row);
-  }
-  return HI_OK;
-}
-
-int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,
-                   int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
-                   void *out_v, int threads) {
-  const size_t row = (size_t)dim * hi_itemsize(dtype);
-  if (len > cap) return HI_EINVAL;
-  for (int64_t t = 0; t < T; t++)
-    if (heads[t] < 0 || heads[t] >= Hkv || ids[t] < -1 || ids[t] >= len) return HI_EINVAL;
-  /* Rows sit at random places in the store: the copy waits on memory latency, not on
-   * arithmetic, so a thread per 16 KiB of rows (sizing by T * row / 4 operations gave 2
-   * threads for 2K rows of 256 B, the 8B shapes' per-layer gather). */
-#pragma omp parallel for schedule(static) num_threads(hi_team(threads, T, T * (int64_t)row * 4))
-  for (int64_t t = 0; t < T; t++) {
-    char *dk = (char *)out_k + (size_t)t * row;
-    char *dv = (char *)out_v + (size_t)t * row;
-    if (ids[t] < 0) {
-      memset(dk, 0, row);
-      memset(dv, 0, row);
-      continue;
-    }
-    const size_t src = ((size_t)heads[t] * (size_t)cap + (size_t)ids[t]) * row;
-    memcpy(dk, (const char *)k + src, row);
-    memcpy(dv, (const char *)v + src, row);
   }
   return HI_OK;
 }

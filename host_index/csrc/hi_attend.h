@@ -43,20 +43,14 @@ int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t 
 
 /* out_k[p], out_v[p] ([page, dim] each) = rows page_ids[p] * page .. + page - 1 of head
  * heads[p] of store g = group[p]: k[g] / v[g] ([Hkv, cap[g], dim] in one dtype, len[g] rows
- * stored); rows at or past len[g] are zero-filled. One parallel loop over all pages, so a
- * step's recall from every (sequence, layer) costs one call. Any group, head or page out of
- * range is HI_EINVAL (nothing copied). */
+ * stored); rows at or past len[g] are zero-filled, and page_ids[p] == -1 gives a zero page.
+ * One parallel loop over all pages, so a step's recall from every (sequence, layer) costs
+ * one call; page = 1 gathers single rows (retrieval's selected tokens). Any group, head or
+ * other page out of range is HI_EINVAL (nothing copied). */
 int hi_gather_pages_multi(const void *const *k, const void *const *v, const int64_t *cap,
                           const int64_t *len, int64_t G, int dtype, int Hkv, int dim, int page,
                           const int64_t *group, const int64_t *heads, const int64_t *page_ids,
                           int64_t P, void *out_k, void *out_v, int threads);
-
-/* out_k[t], out_v[t] ([dim] each, t < T) = row ids[t] of head heads[t] of k / v
- * ([Hkv, cap, dim] in one dtype); rows with ids[t] == -1 are zero-filled. Any
- * other id outside [0, len) or head outside [0, Hkv) is HI_EINVAL (nothing copied). */
-int hi_gather_rows(const void *k, const void *v, int dtype, int Hkv, int64_t cap, int64_t len,
-                   int dim, const int64_t *heads, const int64_t *ids, int64_t T, void *out_k,
-                   void *out_v, int threads);
 
 /* Slot writes that make each row r < R of held ([R, S] store ids, -1 = empty)
  * hold the valid ids of the same row of wanted ([R, S], -1 = none): writes[r, s]

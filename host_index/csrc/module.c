@@ -781,8 +781,6 @@ static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
   return PyLong_FromLongLong((long long)bad);
 }
 
-/* The six buffers of a K/V gather: k, v, two int64 index arrays (read), out_k,
- * out_v (written). Returns how many were acquired (6 = all; fewer = error set). */
 /* Buffers objs[0..count) of at least need[i] bytes, those from first_writable on writable;
  * returns how many were acquired (count on success; the caller releases that many). */
 static int get_bufs(PyObject *const *objs, const Py_ssize_t *need, int count, int first_writable,
@@ -793,13 +791,9 @@ static int get_bufs(PyObject *const *objs, const Py_ssize_t *need, int count, in
   return nb;
 }
 
-static int get_kv_out_bufs(PyObject *objs[6], const Py_ssize_t need[6], Py_buffer b[6],
-                           const char *what) {
-  return get_bufs(objs, need, 6, 4, b, what);
-}
-
 /* gather_pages_multi(ks, vs, dtype, Hkv, dim, page, caps, lens, group, heads, page_ids, P,
- * out_k, out_v, threads): ks, vs sequences of G stores [Hkv, caps[g], dim]. */
+ * out_k, out_v, threads): ks, vs sequences of G stores [Hkv, caps[g], dim]; page 1 gathers
+ * rows, page id -1 a zero page. */
 static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
   (void)mod;
   PyObject *kso, *vso, *co, *lo, *go, *ho, *po, *oko, *ovo;
@@ -858,37 +852,6 @@ static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
   Py_DECREF(ks);
   Py_DECREF(vs);
   if (!ok || ni < 7 || raise_err(err) < 0) return NULL;
-  Py_RETURN_NONE;
-}
-
-/* gather_rows(k, v, dtype, Hkv, cap, len, dim, heads, ids, T, out_k, out_v, threads) */
-static PyObject *py_gather_rows(PyObject *mod, PyObject *args) {
-  (void)mod;
-  PyObject *ko, *vo, *ho, *io, *oko, *ovo;
-  int dtype, Hkv, dim, threads;
-  Py_ssize_t cap, len, T;
-  if (!PyArg_ParseTuple(args, "OOiinniOOnOOi", &ko, &vo, &dtype, &Hkv, &cap, &len, &dim, &ho, &io,
-                        &T, &oko, &ovo, &threads) ||
-      check_dtype(dtype) < 0)
-    return NULL;
-  if (Hkv < 1 || cap < 0 || len < 0 || len > cap || dim < 1 || T < 0) {
-    PyErr_SetString(PyExc_ValueError, "gather_rows: bad sizes");
-    return NULL;
-  }
-  const Py_ssize_t isz = (Py_ssize_t)hi_itemsize(dtype);
-  Py_buffer b[6];
-  PyObject *objs[6] = {ko, vo, ho, io, oko, ovo};
-  const Py_ssize_t need[6] = {Hkv * cap * dim * isz, Hkv * cap * dim * isz, T * 8, T * 8,
-                              T * dim * isz, T * dim * isz};
-  const int nb = get_kv_out_bufs(objs, need, b, "gather_rows");
-  int err = HI_OK;
-  if (nb == 6) {
-    Py_BEGIN_ALLOW_THREADS err = hi_gather_rows(b[0].buf, b[1].buf, dtype, Hkv, cap, len, dim,
-                                                b[2].buf, b[3].buf, T, b[4].buf, b[5].buf, threads);
-    Py_END_ALLOW_THREADS
-  }
-  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
-  if (nb < 6 || raise_err(err) < 0) return NULL;
   Py_RETURN_NONE;
 }
 
@@ -957,7 +920,6 @@ static PyMethodDef module_methods[] = {
     {"convert", py_convert, METH_VARARGS, "Blockwise dtype conversion."},
     {"count_bad", py_count_bad, METH_VARARGS, "Count non-finite / overflowing values."},
     {"gather_pages_multi", py_gather_pages_multi, METH_VARARGS, "Copy K/V pages of several stores."},
-    {"gather_rows", py_gather_rows, METH_VARARGS, "Copy K/V rows by id into out buffers."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
     {NULL, NULL, 0, NULL}};
