@@ -20,7 +20,11 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops.partial_attention import _pad_groups
 
-_LEVELS_PER_BLOCK = 8192  # code bytes per program (rows * Dc): the fastest of 4-64 KiB on the H200 (bench_key_scores_sweep_8b_128k.md)
+# Code bytes per program (rows * Dc): 8 KiB was the fastest of 4-64 KiB with 2-8 warps on the
+# H200 (experiments/results/bench_key_scores_sweep_8b_128k.md). One page must fit in 16 KiB,
+# which bounds the unpacked tile's registers.
+_BLOCK_BYTES = 8192
+_MAX_PAGE_BYTES = 16384
 _MIN_DOT_K = 16  # Triton's dot needs K >= 16: the bytes per key (D * bits / 8)
 
 
@@ -60,7 +64,7 @@ def pallas_supported(page_size: int, head_dim: int, bits: int) -> bool:
   """Whether the kernel compiles for a GPU: power-of-two pages and byte rows of >= 16 bytes."""
   dc = head_dim * bits // 8
   pow2 = lambda n: pl.next_power_of_2(n) == n
-  return pow2(page_size) and pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _LEVELS_PER_BLOCK
+  return pow2(page_size) and pow2(dc) and dc >= _MIN_DOT_K and page_size * dc <= _MAX_PAGE_BYTES
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "interpret", "block_bytes", "num_warps"))
@@ -73,7 +77,7 @@ def _key_scores_pallas(qs, codes, *, bits: int, interpret: bool, block_bytes: in
   gp = _pad_groups(G)
   # Pages per program: a power of two, at most block_bytes of codes (at least one page) and at
   # most N (the shifted last block must fit in the buffer).
-  nb = max(1, min((block_bytes or _LEVELS_PER_BLOCK) // (P * Dc), 1 << (N.bit_length() - 1)))
+  nb = max(1, min((block_bytes or _BLOCK_BYTES) // (P * Dc), 1 << (N.bit_length() - 1)))
   nb = 1 << (nb.bit_length() - 1)
   if gp != G:
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, gp - G), (0, 0)))

@@ -20,10 +20,10 @@ def _case(seed, B=2, Hq=6, H=2, N=37, P=8, D=32, bits=2):
   return q, codes, lo, step
 
 
-# (bits, pages, page size, head_dim). Pages per program: a power of two, at most 16384 code
+# (bits, pages, page size, head_dim). Pages per program: a power of two, at most 8192 code
 # bytes / (P * D * bits / 8) and at most N; a partial last block is shifted back over the one
-# before. 37 pages of 32 at 2 bits, D 64: 2 blocks of 32 (the second from page 5); 300 pages of
-# 16 at 4 bits, D 128: 19 blocks of 16; 5 pages: 2 blocks of 4.
+# before. 37 pages of 32 at 2 bits, D 64: 3 blocks of 16 (the third from page 21); 300 pages of
+# 16 at 4 bits, D 128: 38 blocks of 8; 5 pages: 2 blocks of 4.
 CASES = [(2, 37, 32, 32), (4, 5, 32, 32), (4, 64, 16, 32), (2, 37, 32, 64), (4, 300, 16, 128), (1, 9, 8, 128)]
 
 
