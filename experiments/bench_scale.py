@@ -27,6 +27,7 @@ On a CPU it runs with simulated devices (`jax_num_cpu_devices` is set to the lar
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import jax
@@ -75,6 +76,8 @@ flags.DEFINE_integer("trace", 0, "GPU only: decode under the profiler and write 
                      "(device time per step after the first) to <name>_kernels; the traced rows' latencies "
                      "carry the profiler's overhead.")
 flags.DEFINE_boolean("step_times", False, "Add each decode step's ms to the rows (decode_ms_steps).")
+flags.DEFINE_float("switch_interval", None, "sys.setswitchinterval for the run (Python's default 0.005 s): how "
+                   "soon the main thread gets the GIL back from a per_step exchange thread.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -190,6 +193,8 @@ def summaries(rows: list[dict]) -> list[dict]:
 
 def main(argv):
   del argv
+  if FLAGS.switch_interval is not None:
+    sys.setswitchinterval(FLAGS.switch_interval)
   counts = [int(n) for n in FLAGS.devices]
   lengths = [int(n) for n in FLAGS.context_lens]
   batches = [int(n) for n in FLAGS.batches]

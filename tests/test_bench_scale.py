@@ -58,8 +58,10 @@ def test_real_contexts_on_two_simulated_devices(tmp_path):
 
 def test_ragged_batches_through_a_host_backed_policy(tmp_path):
   doc = run_bench(tmp_path, "ragged", "--context_lens=1024", "--batches=3", "--ragged", "--policies=freekv,freekv_step",
-                  "--sinks=32", "--window=64", "--budget=256", "--max_recall=2")
+                  "--sinks=32", "--window=64", "--budget=256", "--max_recall=2",
+                  "--switch_interval=0.001")
   per_layer, per_step = doc["rows"]
+  assert "--switch_interval=0.001" in doc["command"]
   assert "max_recall 2" in per_layer["describe"] and "one host exchange per step" in per_step["describe"]
   assert per_layer["lengths"] == "1024,854,683" and per_layer["callbacks_per_step"] == 1.0  # one per sparse layer, whole batch
   assert per_step["callbacks_per_step"] == 0 and per_step["host_exchanges"] == per_step["decode_steps"] == 3  # no callback
