@@ -63,10 +63,11 @@ def padded_size(n: int) -> int:
   handful of compiled scatter shapes serve every step and padding stays under ~26%.
 
   Compiling the sizes next to each one used on a background thread, before a step needs them,
-  was tried (a421b5b) and dropped: the slow steps of a decode on the H200 were its first three
-  (the pool filling), not new sizes met later, and the steady steps showed no gain (freekv
-  8B shapes, 128K: 17.4 ms median with it against 13.4 without in one pair of runs, 11.5 in
-  a third; experiments/results/bench_scale_8b_synthetic_128k_ahead_*.md)."""
+  was tried (a421b5b) and dropped. The slow steps of a decode on the H200 were its first three,
+  while the pool fills and the update size jumps rungs faster than neighbours compile (a small
+  freekv decode on the CPU compiles new sizes at steps 2 and 4, none later); the steady steps
+  showed no gain (8B shapes, 128K: 17.4 ms median with it against 13.4 without in one pair of
+  runs, 11.5 in a third; experiments/results/bench_scale_8b_synthetic_128k_ahead_*.md)."""
   if n <= 64:
     return 64
   size = 2.0 ** (np.ceil(4 * np.log2(n)) / 4)
