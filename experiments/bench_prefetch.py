@@ -28,7 +28,7 @@ from absl import app, flags
 
 import host_index
 from kvjax.host_runtime import available_cores
-from kvjax.prefetch_runtime import PrefetchRuntime
+from kvjax.prefetch_runtime import PrefetchRuntime, slot_stores
 import results_io
 
 flags.DEFINE_integer("layers", 32, "Layers served from the host.")
@@ -70,23 +70,19 @@ def compare_gathers(runtime: PrefetchRuntime, update, reps: int = 20) -> dict:
   """One update's entering rows gathered with a C call per (layer, seq) store, as the bridge
   did before gather_rows_many, against one call over every store: median ms of each."""
   dest, ids = update.dest[:update.count].astype(np.int64), update.ids[:update.count].astype(np.int64)
-  S = runtime.slots
-  per_group = FLAGS.q_heads * S
-  layer_of, heads = dest // per_group, (dest % per_group) // S // runtime.context.group
+  stores, store_of, heads = slot_stores(dest, 1, FLAGS.q_heads, runtime.slots, runtime.context.group)
   store, threads = runtime.context.store, runtime.search_threads
   out_k, out_v = np.empty_like(update.k[:update.count]), np.empty_like(update.v[:update.count])
+  bounds = np.searchsorted(store_of, np.arange(len(stores) + 1))  # dest is sorted: each store's rows are a run
 
   def per_store():
-    for layer in np.unique(layer_of):
-      at = np.flatnonzero(layer_of == layer)  # contiguous: dest is sorted
-      lo, hi = at[0], at[-1] + 1
-      store.gather_rows(0, int(layer), heads[lo:hi], ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
+    for i, (seq, layer) in enumerate(stores):
+      lo, hi = bounds[i], bounds[i + 1]
+      store.gather_rows(seq, layer, heads[lo:hi], ids[lo:hi], out_k=out_k[lo:hi], out_v=out_v[lo:hi],
                         threads=threads)
 
   def one_call():
-    groups, group_of = np.unique(layer_of, return_inverse=True)
-    store.gather_rows_many([(0, int(g)) for g in groups], group_of, heads, ids, out_k=out_k, out_v=out_v,
-                           threads=threads)
+    store.gather_rows_many(stores, store_of, heads, ids, out_k=out_k, out_v=out_v, threads=threads)
 
   times = {}
   for name, fn in (("per_store", per_store), ("one_call", one_call)) * 2:  # interleaved, twice
@@ -98,7 +94,7 @@ def compare_gathers(runtime: PrefetchRuntime, update, reps: int = 20) -> dict:
   per_store()
   assert np.array_equal(one_k, out_k), "the two gathers differ"
   ms = {name: round(1e3 * float(np.median(t)), 3) for name, t in times.items()}
-  return dict(kind="gather_compare", rows=int(update.count), stores=len(np.unique(layer_of)),
+  return dict(kind="gather_compare", rows=int(update.count), stores=len(stores),
               per_store_ms=ms["per_store"], one_call_ms=ms["one_call"])
 
 

@@ -376,11 +376,11 @@ class KVStore:
         self._check(seq, layer)
         i = np.asarray(ids, np.int64)
         h = np.broadcast_to(np.asarray(kv_heads, np.int64), i.shape)
-        return self.gather_rows_many([(seq, layer)], np.zeros(i.size, np.int64), h.reshape(-1), i.reshape(-1),
-                                     out_k=out_k, out_v=out_v, threads=threads, shape=i.shape)
+        k, v = self.gather_rows_many([(seq, layer)], np.zeros(i.size, np.int64), h.reshape(-1), i.reshape(-1),
+                                     out_k=out_k, out_v=out_v, threads=threads)
+        return k.reshape(i.shape + (self.head_dim,)), v.reshape(i.shape + (self.head_dim,))
 
-    def gather_rows_many(self, groups, group_of, kv_heads, ids, *, out_k=None, out_v=None, threads=None,
-                         shape=None):
+    def gather_rows_many(self, groups, group_of, kv_heads, ids, *, out_k=None, out_v=None, threads=None):
         """gather_rows over several (seq, layer) stores in one C call (one parallel loop over
         every row): row i comes from store groups[group_of[i]]. A call per store cost the
         per_step bridge a thread team per (layer, seq) each step.
@@ -388,19 +388,19 @@ class KVStore:
         Args:
             groups: sequence of G (seq, layer) pairs.
             group_of, kv_heads, ids: [T] int each; id -1 = a zero row.
-            out_k, out_v: optional C-contiguous arrays of T rows of D in the storage dtype.
-            shape: the leading shape of the result (default [T]).
+            out_k, out_v: optional C-contiguous arrays of T rows of D in the storage dtype
+                (any shape [..., D]; filled in place).
 
         Returns:
-            (out_k, out_v) [*shape, D] in the storage dtype.
+            (out_k, out_v) [T, D] in the storage dtype.
         """
-        shape = (np.asarray(ids).size,) if shape is None else tuple(shape)
+        T = np.asarray(ids).size
         rows = []  # the caller's buffers as [T, 1, D] views (C order: no copy)
         for name, o in (("out_k", out_k), ("out_v", out_v)):
             if o is not None and not (isinstance(o, np.ndarray) and o.flags.c_contiguous
-                                      and o.size == np.prod(shape) * self.head_dim):
-                raise ValueError(f"{name} must be a C-contiguous array of {shape} rows of {self.head_dim}")
-            rows.append(None if o is None else o.reshape(-1, 1, self.head_dim))
+                                      and o.size == T * self.head_dim):
+                raise ValueError(f"{name} must be a C-contiguous array of {T} rows of {self.head_dim}")
+            rows.append(None if o is None else o.reshape(T, 1, self.head_dim))
         k, v = self._gather_multi(groups, group_of, kv_heads, ids, 1, "ids", out_k=rows[0], out_v=rows[1],
                                   threads=threads)
-        return k.reshape(shape + (self.head_dim,)), v.reshape(shape + (self.head_dim,))
+        return k.reshape(T, self.head_dim), v.reshape(T, self.head_dim)

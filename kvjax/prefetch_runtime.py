@@ -49,6 +49,20 @@ from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
+def slot_stores(
+    dest,  # [T] int: flat slot indices into [L, B, Hq, slots] buffers
+    batch: int,
+    q_heads: int,
+    slots: int,
+    group: int,  # query heads per KV head
+):
+  """What each slot reads from: the (seq, layer) stores the slots touch, each slot's index
+  into that list [T] and its KV head [T]."""
+  per_store = q_heads * slots
+  flat, store_of = np.unique(dest // per_store, return_inverse=True)  # layer * batch + seq
+  return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
+
+
 class PrefetchRuntime(HostRuntime):
   """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
 
@@ -178,11 +192,8 @@ class PrefetchRuntime(HostRuntime):
     store = self.context.store
     dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
     update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
-    per_group = Hq * S  # slots of one (layer, seq)
-    groups, group_of = np.unique(dest // per_group, return_inverse=True)  # flat (layer, seq) = layer * B + seq
-    heads = (dest % per_group) // S // self.context.group
-    store.gather_rows_many([(int(g) % B, int(g) // B) for g in groups], group_of, heads, ids,
-                           out_k=update.k[:dest.size], out_v=update.v[:dest.size],
+    stores, store_of, heads = slot_stores(dest, B, Hq, S, self.context.group)
+    store.gather_rows_many(stores, store_of, heads, ids, out_k=update.k[:dest.size], out_v=update.v[:dest.size],
                            threads=self.search_threads)  # id -1: a zero row
     update.dest[:dest.size] = dest
     update.ids[:dest.size] = ids

@@ -222,12 +222,16 @@ int hi_gather_pages_multi(const void *const *k, const void *const *v, const int6
 #pragma omp parallel for schedule(static) num_threads(hi_team(threads, P, work))
   for (int64_t p = 0; p < P; p++) {
     const int64_t g = group[p];
-    const int64_t start = page_ids[p] * page;
-    int64_t nrow = len[g] - start < page ? len[g] - start : page;
-    if (page_ids[p] < 0) nrow = 0;
-    const size_t src = ((size_t)heads[p] * (size_t)cap[g] + (size_t)(nrow ? start : 0)) * row;
     char *dk = (char *)out_k + (size_t)p * page * row;
     char *dv = (char *)out_v + (size_t)p * page * row;
+    if (page_ids[p] < 0) {
+      memset(dk, 0, (size_t)page * row);
+      memset(dv, 0, (size_t)page * row);
+      continue;
+    }
+    const int64_t start = page_ids[p] * page;
+    const int64_t nrow = len[g] - start < page ? len[g] - start : page;
+    const size_t src = ((size_t)heads[p] * (size_t)cap[g] + (size_t)start) * row;
     memcpy(dk, (const char *)k[g] + src, (size_t)nrow * row);
     memcpy(dv, (const char *)v[g] + src, (size_t)nrow * row);
     memset(dk + nrow * row, 0, (size_t)(page - nrow) * row);
