@@ -14,6 +14,9 @@ appends to the store and extends the indexes, `append` only stores.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+
 import numpy as np
 
 from host_index import _core
@@ -22,6 +25,14 @@ from host_index import _index
 from host_index._store import KVStore
 
 ROAR_HEADS = ("query", "kv")
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class StoreKeys:
@@ -98,6 +109,8 @@ class HostContext:
         # [seq][layer] -> tuple of Index, one per index head
         self._ix = [[tuple(self._new_index(s, l, h) for h in range(self.index_heads))
                      for l in range(L)] for s in range(S)]
+        self._builder = None  # build_layer(wait=False)'s threads, until wait_builds
+        self._builds: list[concurrent.futures.Future] = []
 
     def _new_index(self, seq, layer, head):
         kv = head // self.group if self.per_q_head else head
@@ -156,11 +169,21 @@ class HostContext:
         return self.store.append_tokens(seqs, layers, starts, keys, values)
 
     def build_layer(self, layer: int, *, seqs=None, train_queries=None, train_topk=None,
-                    threads: int | None = None) -> None:
+                    threads: int | None = None, wait: bool = True) -> None:
         """(Re)builds every index of one layer over all stored tokens.
 
-        Heads are built one after another, each with all threads (the builds
-        are parallel inside), so one call keeps every core busy.
+        The heads' builds run side by side, `threads` OpenMP threads in all
+        (default: every core this process may use) split evenly between them:
+        the builds of small heads (a few thousand to ~100K keys) use many
+        threads poorly, and independent builds need no synchronisation.
+
+        With wait=False the builds are queued on the context's build threads
+        (one per core, each build single-threaded, so a build is
+        deterministic) and the call returns at once: a caller offloading layer
+        after layer keeps every core building while it prepares the next
+        layer. `wait_builds` waits for them (and raises a build's error); a
+        layer must not be searched, inserted into or rebuilt before then.
+        Arguments are checked before anything is queued.
 
         Args:
             layer: the layer.
@@ -170,6 +193,8 @@ class HostContext:
             train_topk: roar only: [len(seqs), Hq, M, N_q] int, each training
                 query's exact top keys by inner product (store indices, best
                 first, -1 padded), e.g. computed on the device.
+            threads: OpenMP threads of a waited build (default: all cores).
+            wait: False to queue the builds (see above).
 
         With roar_heads="kv" the arguments keep these per-query-head shapes;
         KV head g's index trains on the G*M rows of its query heads
@@ -188,13 +213,39 @@ class HostContext:
             if len(shape) != nd or shape[0] != len(seqs) or shape[1] != self.num_q_heads:
                 raise ValueError(f"{name} shape {shape} must start with "
                                  f"[{len(seqs)} seqs, {self.num_q_heads} q heads]")
+        total = _cores() if threads is None else _dtypes.positive_int(threads, "threads")
         G = 1 if self.per_q_head else self.group
+        runs = []  # validated builds, one per (seq, index head)
         for si, s in enumerate(seqs):
             n = self.store.length(s, layer)
             per_s = [None if a is None else np.asarray(a[si]) for a in (train_queries, train_topk)]
             for h, ix in enumerate(self._ix[s][layer]):
                 tq, tk = (None if a is None else group_rows(a, h, G) for a in per_s)
-                ix.build(n, train_queries=tq, train_topk=tk, threads=threads)
+                runs.append(ix.prepare_build(n, train_queries=tq, train_topk=tk))
+        if not wait:
+            if self._builder is None:
+                self._builder = concurrent.futures.ThreadPoolExecutor(_cores(), thread_name_prefix="host_index-build")
+            self._builds += [self._builder.submit(run, 1) for run in runs]
+            return
+        workers = min(len(runs), total)
+        per_build = max(1, total // max(1, workers))
+        if workers <= 1:
+            for run in runs:
+                run(per_build)
+            return
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="host_index-build") as pool:
+            for future in [pool.submit(run, per_build) for run in runs]:
+                future.result()
+
+    def wait_builds(self) -> None:
+        """Waits for every build queued by build_layer(wait=False) and stops the build
+        threads; raises the first failed build's error (after all have ended)."""
+        builds, self._builds = self._builds, []
+        if self._builder is not None:
+            self._builder.shutdown(wait=True)
+            self._builder = None
+        for future in builds:
+            future.result()
 
     def insert(self, seq: int, layer: int, start: int, keys, values, *, queries=None,
                threads=None) -> int:
@@ -575,6 +626,7 @@ class HostContext:
         `expect_meta`.
         """
         from host_index import _saveload
+        self.wait_builds()  # never a half-built index on disk
         _saveload.save_context(self, path, dict(meta if meta is not None else self.meta))
 
     @classmethod

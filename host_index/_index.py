@@ -159,11 +159,16 @@ class Index:
 
     def build(self, n: int, *, train_queries=None, train_topk=None, threads=None) -> None:
         """(Re)builds over keys 0..n-1 of the key source. See `build_index`."""
+        self.prepare_build(n, train_queries=train_queries, train_topk=train_topk)(threads)
+
+    def prepare_build(self, n: int, *, train_queries=None, train_topk=None):
+        """Validates and converts a build's arguments now; returns `run(threads)`, which builds
+        (the C call, GIL released). Lets a caller reject bad input before queuing the work."""
         tq, tk, m, nq = _train_args(self.kind, n, self.dim, train_queries, train_topk)
         buf, code, head, cap, valid = self._keys.view()
         if n > valid:
             raise ValueError(f"n={n} exceeds the {valid} stored keys")
-        self._c.build(buf, code, head, cap, n, tq, m, tk, nq, _threads(threads))
+        return lambda threads=None: self._c.build(buf, code, head, cap, n, tq, m, tk, nq, _threads(threads))
 
     def search(self, queries, k: int, *, ef: int | None = None, threads: int | None = None):
         """Top-k keys by inner product for each query.

@@ -397,8 +397,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def offload_layer(self, cfg: ModelConfig, state: RetrievalState, layer: int) -> RetrievalState:
     """Fills `layer`'s rings from its written prompt and, for a retrieval layer, moves the
-    prompt's middle to the host store and builds its indexes. A staged state's layers are
-    offloaded one by one as they are written; finish_prefill does all of an unstaged one."""
+    prompt's middle to the host store and queues its index builds on the host's cores, which
+    build while the caller goes on to the next layer (finish_prefill waits for them). A staged
+    state's layers are offloaded one by one as they are written; finish_prefill does all of an
+    unstaged one."""
     lengths = np.asarray(state.prompt_lengths)
     S, W = self.sinks, self.window
     slot = int(self.prefill_slots(cfg, state.staged)[layer])
@@ -421,9 +423,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
         ids = _train_topk(queries, keys, min(self.train_topk, end - S))
         context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
-                            train_topk=ids[None])
+                            train_topk=ids[None], wait=False)
       else:
-        context.build_layer(layer, seqs=[b])
+        context.build_layer(layer, seqs=[b], wait=False)
     return state
 
   def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
@@ -434,6 +436,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         state = self.offload_layer(cfg, state, layer)
         if on_progress is not None:
           on_progress(layer + 1, cfg.num_layers)
+    self.runtime(state).context.wait_builds()
     dense_ids = self.dense_layer_ids(cfg)
     keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(dense_ids)], jnp.int32)
     state = state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]),

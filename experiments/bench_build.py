@@ -1,0 +1,142 @@
+"""Where a context's index build time goes when it is scheduled three ways, side by side.
+
+    python experiments/bench_build.py --layers=24 --q_heads=14 --kv_heads=2 --head_dim=64 --keys=31360
+
+A HostContext of one sequence and `--layers` layers is filled with the same keys each time
+and every index built, timed as a whole (wall seconds) under three schedules:
+
+  per_head      layer by layer, the heads one after another, each with every core (how
+                HostContext.build_layer worked until this benchmark);
+  side_by_side  layer by layer, the heads of a layer side by side, the cores split between
+                them (build_layer's default);
+  queued        every layer's builds queued at once, one core each (build_layer(wait=False),
+                what retrieval's prefill does), then wait_builds.
+
+roar trains on `--train_queries` strided queries per query head with their exact top-100 among
+the layer's keys, computed once here with NumPy (on a GPU prefill the device computes them).
+Vectors: SYNTHETIC clusters (host_index.synthetic.clustered), or with --capture a cached
+experiments/recall.py capture (.npz with q [L, Hq, N, D] and k [L, Hkv, N, D]), whose layers
+are reused cyclically. Build times depend on the vectors (a graph's connectivity pass searches
+them) and on the machine: run it on the machine whose host builds (the GPU machine's 16 cores).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import app, flags
+
+import host_index
+from host_index._context import group_rows
+from host_index.synthetic import clustered
+from kvjax.host_runtime import available_cores
+import results_io
+
+flags.DEFINE_integer("layers", 24, "Layers, every one indexed.")
+flags.DEFINE_integer("q_heads", 14, "Query heads.")
+flags.DEFINE_integer("kv_heads", 2, "KV heads.")
+flags.DEFINE_integer("head_dim", 64, "Head dimension.")
+flags.DEFINE_integer("keys", 31360, "Keys per (layer, KV head).")
+flags.DEFINE_integer("train_queries", 4096, "roar: training queries per query head (retrieval's default).")
+flags.DEFINE_integer("train_topk", 100, "roar: N_q, exact top keys per training query.")
+flags.DEFINE_enum("index", "roar", ["roar", "graph", "ivf"], "Index kind.")
+flags.DEFINE_enum("roar_heads", "query", ["query", "kv"], "roar: one graph per query head or per KV head.")
+flags.DEFINE_list("schedules", ["per_head", "side_by_side", "queued"], "Schedules timed, in this order.")
+flags.DEFINE_string("capture", None, "experiments/recall.py .npz of real vectors (default: synthetic).")
+flags.DEFINE_string("out_dir", None, "Results directory.")
+flags.DEFINE_string("name", "bench_build", "Results file name.")
+FLAGS = flags.FLAGS
+
+
+def layer_vectors(layer: int, rng):
+  """Keys [Hkv, N, D] and training queries [Hq, M, D] float32 of one layer."""
+  Hq, Hkv, D, N, M = FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.keys, FLAGS.train_queries
+  if FLAGS.capture:
+    data = np.load(FLAGS.capture)
+    k, q = data["k"], data["q"]
+    src = layer % k.shape[0]
+    if k.shape[1] != Hkv or q.shape[1] != Hq or k.shape[3] != D or k.shape[2] < N:
+      raise app.UsageError(f"--capture holds k {k.shape}, q {q.shape}: it does not fit the requested shapes")
+    stride = max(1, q.shape[2] // M)
+    return k[src, :, :N].astype(np.float32), q[src, :, ::stride][:, :M].astype(np.float32)
+  keys = np.stack([clustered(N, D, seed=1000 * layer + h) for h in range(Hkv)])
+  queries = np.stack([clustered(M, D, seed=7 + 1000 * layer + h, shift=0.3) for h in range(Hq)])
+  return keys, queries
+
+
+def exact_topk(queries, keys, k: int, block: int = 1024):
+  """[Hq, M, k] int64: each query's exact top-k keys of its KV head, best first."""
+  G = queries.shape[0] // keys.shape[0]
+  out = np.empty(queries.shape[:2] + (k,), np.int64)
+  for h in range(queries.shape[0]):
+    for start in range(0, queries.shape[1], block):
+      s = queries[h, start:start + block] @ keys[h // G].T
+      part = np.argpartition(-s, k - 1, axis=1)[:, :k]
+      out[h, start:start + block] = np.take_along_axis(part, np.argsort(-np.take_along_axis(s, part, 1), 1), 1)
+  return out
+
+
+def build_all(schedule: str, layers) -> tuple[host_index.HostContext, float]:
+  """A filled context, and the wall seconds its indexes took under `schedule`."""
+  ctx = host_index.HostContext(1, FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, dtype="bfloat16",
+                               kind=FLAGS.index, roar_heads=FLAGS.roar_heads if FLAGS.index == "roar" else "query")
+  for layer, (keys, _, _) in enumerate(layers):
+    ctx.append(0, layer, 0, keys, keys)
+  train = lambda layer: ({} if FLAGS.index != "roar" else
+                         dict(train_queries=layers[layer][1][None], train_topk=layers[layer][2][None]))
+  t = time.perf_counter()
+  for layer in range(FLAGS.layers):
+    if schedule == "per_head":
+      _one_after_another(ctx, layer, train(layer))
+    else:
+      ctx.build_layer(layer, wait=schedule == "side_by_side", **train(layer))
+  ctx.wait_builds()
+  return ctx, time.perf_counter() - t
+
+
+def _one_after_another(ctx, layer: int, train: dict) -> None:
+  G = 1 if ctx.per_q_head else ctx.group
+  for h in range(ctx.index_heads):
+    rows = {name: group_rows(a[0], h, G) for name, a in train.items()}
+    ctx.index(0, layer, h).build(FLAGS.keys, **rows)  # every core (OpenMP default)
+
+
+def main(argv):
+  del argv
+  rng = np.random.default_rng(0)
+  t = time.perf_counter()
+  layers = []
+  for layer in range(FLAGS.layers):
+    keys, queries = layer_vectors(layer, rng)
+    topk = exact_topk(queries, keys, FLAGS.train_topk) if FLAGS.index == "roar" else None
+    layers.append((keys, queries, topk))
+  prepare_s = time.perf_counter() - t
+  rows, reference = [], None
+  for schedule in FLAGS.schedules:
+    ctx, seconds = build_all(schedule, layers)
+    probe = np.stack([layers[0][1][:, 0]])  # [1, Hq, D]: each head's first training query
+    ids = ctx.search(0, probe, k=10)[0]
+    reference = ids if reference is None else reference
+    builds = FLAGS.layers * ctx.index_heads
+    rows.append(dict(schedule=schedule, index=FLAGS.index, roar_heads=FLAGS.roar_heads, layers=FLAGS.layers,
+                     q_heads=FLAGS.q_heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, keys=FLAGS.keys,
+                     train_queries=FLAGS.train_queries, builds=builds, host_cores=available_cores(),
+                     build_s=round(seconds, 2), s_per_build=round(seconds / builds, 4),
+                     probe_top10_overlap=round(float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(
+                         ids.reshape(-1, 10), reference.reshape(-1, 10))])), 3)))
+    print(rows[-1], flush=True)
+  base = rows[0]["build_s"]
+  for row in rows:
+    row["speedup_vs_first"] = round(base / row["build_s"], 2)
+  vectors = f"capture {FLAGS.capture}" if FLAGS.capture else "SYNTHETIC clustered vectors"
+  notes = (f"One sequence, every layer indexed; {vectors}; exact training top-{FLAGS.train_topk} computed beforehand "
+           f"with NumPy ({prepare_s:.1f} s, not in build_s). build_s = wall seconds to build every index; "
+           "probe_top10_overlap = top-10 overlap with the first schedule's index for each head's first training "
+           "query (builds with several threads differ within noise; one-thread builds are deterministic).")
+  results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)
+  print(results_io.markdown_table(rows))
+
+
+if __name__ == "__main__":
+  app.run(main)
