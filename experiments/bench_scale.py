@@ -150,14 +150,20 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
 
   context, prefill_total = contexts.get(model, name, options, (devices, length, batch), build)
   trace = {}
+  phases = HostPhases(context)
   if FLAGS.trace:
     import gpu_trace
     tracer = gpu_trace.StepTracer(first=1)
-    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=tracer.on_step)
+
+    def on_step(step):
+      tracer.on_step(step)
+      phases.on_step(step)
+
+    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=on_step)
     trace, groups = gpu_trace.kernel_table(tracer.events(), tracer.steps, FLAGS.trace)
     kernels += [dict(policy=key, context=length, batch=batch, **g) for g in groups]
   else:
-    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
+    result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=phases.on_step)
   steps = max(1, len(result.decode_seconds) + 1)
   callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
   row = dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy, context_kind=FLAGS.context,
@@ -165,10 +171,36 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
              tokens_per_s=round(batch * 1e3 / result.ms_per_token, 2),
              prefill_and_index_s=round(prefill_total, 2),
              callbacks_per_step=None if callbacks is None else round(callbacks / steps, 2))
-  row = row | trace | results_io.decode_fields(result)
+  row = row | trace | results_io.decode_fields(result) | phases.medians()
   if FLAGS.step_times:  # where the mean's excess over the median comes from
     row["decode_ms_steps"] = " ".join(f"{1e3 * t:.1f}" for t in result.decode_seconds)
   return row
+
+
+class HostPhases:
+  """Per-step host phase times of a host-backed policy: the runtime's cumulative `*_seconds`
+  counters read after every decode step; `medians()` gives each phase's median ms per step
+  over the steps after the first (the row's `*_ms_per_step` means include one-off work, such
+  as a first step's catch-up indexing). With lag 2 a background job's time lands in the step
+  during which it finished."""
+
+  def __init__(self, context):
+    policy = context.policy
+    self.runtime = policy.runtime(context.state) if hasattr(policy, "runtime") else None
+    self.snapshots = []
+
+  def on_step(self, step: int) -> None:
+    del step
+    if self.runtime is not None:
+      stats = self.runtime.stats.as_dict()
+      self.snapshots.append({k: v for k, v in stats.items() if k.endswith("_seconds")})
+
+  def medians(self) -> dict:
+    if len(self.snapshots) < 3:
+      return {}
+    later = self.snapshots[1:]
+    return {f"{k.removesuffix('_seconds')}_ms_median": round(1e3 * float(np.median(
+        [b[k] - a[k] for a, b in zip(later, later[1:])])), 3) for k in later[0]}
 
 
 def summaries(rows: list[dict]) -> list[dict]:

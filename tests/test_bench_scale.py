@@ -65,3 +65,6 @@ def test_ragged_batches_through_a_host_backed_policy(tmp_path):
   assert "max_recall 2" in per_layer["describe"] and "one host exchange per step" in per_step["describe"]
   assert per_layer["lengths"] == "1024,854,683" and per_layer["callbacks_per_step"] == 1.0  # one per sparse layer, whole batch
   assert per_step["callbacks_per_step"] == 0 and per_step["host_exchanges"] == per_step["decode_steps"] == 3  # no callback
+  # per-step host phase medians from the runtime's counters, steps after the first
+  assert per_layer["callback_ms_median"] > 0 and per_step["exchange_ms_median"] > 0
+  assert per_step["callback_ms_median"] == 0  # per_step makes no callback
