@@ -172,18 +172,20 @@ class HostContext:
                     threads: int | None = None, wait: bool = True) -> None:
         """(Re)builds every index of one layer over all stored tokens.
 
-        The heads' builds run side by side, `threads` OpenMP threads in all
-        (default: every core this process may use) split evenly between them:
-        the builds of small heads (a few thousand to ~100K keys) use many
-        threads poorly, and independent builds need no synchronisation.
+        Heads are built one after another, each with `threads` OpenMP
+        threads (default: all cores; the builds are parallel inside).
 
         With wait=False the builds are queued on the context's build threads
-        (one per core, each build single-threaded, so a build is
-        deterministic) and the call returns at once: a caller offloading layer
-        after layer keeps every core building while it prepares the next
-        layer. `wait_builds` waits for them (and raises a build's error); a
-        layer must not be searched, inserted into or rebuilt before then.
-        Arguments are checked before anything is queued.
+        (one per core, each build single-threaded) and the call returns at
+        once: a caller offloading layer after layer (retrieval's prefill)
+        prepares the next layer while every core builds, and every build is
+        deterministic (a build with several threads links nodes concurrently
+        and varies within noise). On the H200 host's 16 cores the two take
+        the same time (bench_build_qwen_shapes_32k.md: 17.4 vs 17.9 s for 112
+        graphs of 31K keys). `wait_builds` waits for the queued builds (and
+        raises a build's error); a layer must not be searched, inserted into
+        or rebuilt before then. Arguments are checked before anything is
+        queued.
 
         Args:
             layer: the layer.
@@ -193,7 +195,7 @@ class HostContext:
             train_topk: roar only: [len(seqs), Hq, M, N_q] int, each training
                 query's exact top keys by inner product (store indices, best
                 first, -1 padded), e.g. computed on the device.
-            threads: OpenMP threads of a waited build (default: all cores).
+            threads: OpenMP threads per build when waited (default: all).
             wait: False to queue the builds (see above).
 
         With roar_heads="kv" the arguments keep these per-query-head shapes;
@@ -213,7 +215,7 @@ class HostContext:
             if len(shape) != nd or shape[0] != len(seqs) or shape[1] != self.num_q_heads:
                 raise ValueError(f"{name} shape {shape} must start with "
                                  f"[{len(seqs)} seqs, {self.num_q_heads} q heads]")
-        total = _cores() if threads is None else _dtypes.positive_int(threads, "threads")
+        per_build = None if threads is None else _dtypes.positive_int(threads, "threads")
         G = 1 if self.per_q_head else self.group
         runs = []  # validated builds, one per (seq, index head)
         for si, s in enumerate(seqs):
@@ -227,15 +229,8 @@ class HostContext:
                 self._builder = concurrent.futures.ThreadPoolExecutor(_cores(), thread_name_prefix="host_index-build")
             self._builds += [self._builder.submit(run, 1) for run in runs]
             return
-        workers = min(len(runs), total)
-        per_build = max(1, total // max(1, workers))
-        if workers <= 1:
-            for run in runs:
-                run(per_build)
-            return
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="host_index-build") as pool:
-            for future in [pool.submit(run, per_build) for run in runs]:
-                future.result()
+        for run in runs:
+            run(per_build)
 
     def wait_builds(self) -> None:
         """Waits for every build queued by build_layer(wait=False) and stops the build
