@@ -76,7 +76,9 @@ _K = flags.DEFINE_integer("k", 100, "recall@k")
 _KINDS = flags.DEFINE_list("kinds", ["flat", "ivf64", "ivf256", "graph", "graph_ip", "roar"],
                            "flat | ivf (nlist 4*sqrt(N)) | ivf<nlist> | graph (l2) | graph_ip | roar | roar_rg | "
                            "roar_ip; a roar kind + _kv (roar_kv): one index per KV head trained on its group's "
-                           "queries (HostContext roar_heads='kv') instead of one per query head")
+                           "queries (HostContext roar_heads='kv') instead of one per query head; + _knn (roar_knn): "
+                           "the build links through each key's nearest keys (as kvjax's prefill) instead of "
+                           "searching for them")
 _EFS = flags.DEFINE_list("efs", ["40", "50", "60", "70", "80", "90", "100", "120", "150", "200", "250", "300", "400", "500", "650", "800",
                                  "1000", "1300", "1600", "2000"],
                         "graph/roar ef values (below k: a beam of ef, the best k of every key scanned)")
@@ -106,8 +108,17 @@ def kv_shared(kind: str) -> bool:
   return kind.endswith("_kv") and parse_kind(kind)[0] == "roar"
 
 
+CONNECT_KNN = 64  # `_knn` kinds: each key's nearest keys handed to the roar build (kvjax's retrieval default)
+
+
 def parse_kind(kind: str) -> tuple[str, dict]:
-  """'ivf256' -> ('ivf', {'nlist': 256}); 'graph_ip' -> ('graph', {'metric': 'ip'}); 'roar_kv' -> ('roar', {})."""
+  """'ivf256' -> ('ivf', {'nlist': 256}); 'graph_ip' -> ('graph', {'metric': 'ip'}); 'roar_kv' -> ('roar', {});
+  'roar_knn' -> ('roar', {'connect_knn': 64}) (see build)."""
+  if kind.endswith("_knn"):
+    base, params = parse_kind(kind[:-4])
+    if base != "roar":
+      raise ValueError(f"unknown kind {kind!r}: only roar kinds take _knn (nearest-key connect candidates)")
+    return base, params | {"connect_knn": CONNECT_KNN}
   if kind.endswith("_kv"):
     base, params = parse_kind(kind[:-3])
     if base != "roar":
@@ -125,7 +136,19 @@ def parse_kind(kind: str) -> tuple[str, dict]:
   if m:
     return "ivf", ({"nlist": int(m.group(1))} if m.group(1) else {})
   raise ValueError(f"unknown kind {kind!r}: flat | ivf | ivf<nlist> | graph | graph_ip | roar | roar_ip | roar_rg"
-                   " (roar kinds + _kv: one index per KV head)")
+                   " (roar kinds + _kv: one index per KV head; + _knn: the build links through each key's "
+                   f"{CONNECT_KNN} nearest keys instead of searching for them)")
+
+
+def build(keys, base: str, params: dict, **kwargs):
+  """(hi.build_index with parse_kind's params, its build seconds). `connect_knn` becomes connect_candidates,
+  computed first with NumPy (on the device in kvjax's prefill) and not counted in the build's seconds."""
+  params = dict(params)
+  count = params.pop("connect_knn", None)
+  if count:
+    kwargs["connect_candidates"] = hi.key_neighbours(np.asarray(keys, np.float32), count)
+  t0 = time.perf_counter()
+  return hi.build_index(keys, kind=base, **kwargs, **params), time.perf_counter() - t0
 
 
 def efforts_for(base: str, index, *, k: int, efs, nprobe_fracs) -> list:
@@ -183,9 +206,7 @@ def recall_rows(keys, queries, *, k, kinds, efs, nprobes, train_queries=None, tr
     train = {}
     if base == "roar":
       train = {"train_topk": train_topk} if train_topk is not None else {"train_queries": train_queries}
-    t0 = time.perf_counter()
-    ix = hi.build_index(keys, kind=base, **train, **params)
-    build_s = time.perf_counter() - t0
+    ix, build_s = build(keys, base, params, **train)
     efforts = {"flat": [None], "ivf": nprobes}.get(base, efs)
     for ef in efforts:
       if ef is not None and base != "ivf" and ef < k:
@@ -429,9 +450,7 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
           parts = [head_train(x) for x in heads]
           train = {name: np.stack([p[i] for p in parts], axis=1).reshape(-1, parts[0][i].shape[1])
                    for i, name in enumerate(("train_queries", "train_topk"))}
-        t0 = time.perf_counter()
-        index = hi.build_index(keys, kind=base, seed=seed, threads=threads, **train, **params)
-        build_s = time.perf_counter() - t0
+        index, build_s = build(keys, base, params, seed=seed, threads=threads, **train)
         extra["index_bytes"] = int(index._c.nbytes)  # the index structure, not its keys
         qs = {"Q->K": np.concatenate([dec[x] for x in (heads if h is None else [h])]), "K->K": kk}
         tr = {"Q->K": np.concatenate([truth_dec[x] for x in (heads if h is None else [h])]), "K->K": truth_kk}

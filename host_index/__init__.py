@@ -10,6 +10,7 @@ Public API:
   KVStore                                     per (seq, layer) head-major K/V store
   assign_slots(held, wanted)                  slot writes that keep held ids in place
   count_common(a, b)                          per row, ids of a found in b
+  key_neighbours(keys, count)                 each key's nearest keys (roar's connect candidates)
   HostContext                                 store + per-(seq, layer, head) indexes:
                                               build_layer, insert / insert_many, attend,
                                               search, attend_ids, fetch_pages, save / load
@@ -24,6 +25,7 @@ from host_index._slots import assign_slots
 from host_index._slots import count_common
 from host_index._store import KVStore
 from host_index._store import StoreFullError
+from host_index.neighbours import key_neighbours
 
 __all__ = [
     "CorruptFileError",
@@ -35,4 +37,5 @@ __all__ = [
     "assign_slots",
     "build_index",
     "count_common",
+    "key_neighbours",
 ]

@@ -169,7 +169,7 @@ class HostContext:
         return self.store.append_tokens(seqs, layers, starts, keys, values)
 
     def build_layer(self, layer: int, *, seqs=None, train_queries=None, train_topk=None,
-                    threads: int | None = None, wait: bool = True) -> None:
+                    connect_candidates=None, threads: int | None = None, wait: bool = True) -> None:
         """(Re)builds every index of one layer over all stored tokens.
 
         Heads are built one after another, each with `threads` OpenMP
@@ -195,6 +195,11 @@ class HostContext:
             train_topk: roar only: [len(seqs), Hq, M, N_q] int, each training
                 query's exact top keys by inner product (store indices, best
                 first, -1 padded), e.g. computed on the device.
+            connect_candidates: roar only: [len(seqs), Hkv, N, C] int, each
+                stored key's C nearest keys of its KV head (-1 padded; e.g.
+                ops.nearest_keys on the device): every index of that KV head
+                links through them instead of searching its own graph for
+                each key (see build_index).
             threads: OpenMP threads per build when waited (default: all).
             wait: False to queue the builds (see above).
 
@@ -206,15 +211,16 @@ class HostContext:
         from the end of the prompt.
         """
         seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
-        for name, arr, nd in (("train_queries", train_queries, 4), ("train_topk", train_topk, 4)):
+        for name, arr, heads in (("train_queries", train_queries, f"{self.num_q_heads} q heads"),
+                                 ("train_topk", train_topk, f"{self.num_q_heads} q heads"),
+                                 ("connect_candidates", connect_candidates, f"{self.store.num_kv_heads} kv heads")):
             if arr is None:
                 continue
             if self.kind != "roar":
                 raise ValueError(f"{name} does not apply to kind={self.kind!r}")
             shape = np.shape(arr)
-            if len(shape) != nd or shape[0] != len(seqs) or shape[1] != self.num_q_heads:
-                raise ValueError(f"{name} shape {shape} must start with "
-                                 f"[{len(seqs)} seqs, {self.num_q_heads} q heads]")
+            if len(shape) != 4 or shape[0] != len(seqs) or shape[1] != int(heads.split()[0]):
+                raise ValueError(f"{name} shape {shape} must start with [{len(seqs)} seqs, {heads}]")
         per_build = None if threads is None else _dtypes.positive_int(threads, "threads")
         G = 1 if self.per_q_head else self.group
         runs = []  # validated builds, one per (seq, index head)
@@ -223,7 +229,9 @@ class HostContext:
             per_s = [None if a is None else np.asarray(a[si]) for a in (train_queries, train_topk)]
             for h, ix in enumerate(self._ix[s][layer]):
                 tq, tk = (None if a is None else group_rows(a, h, G) for a in per_s)
-                runs.append(ix.prepare_build(n, train_queries=tq, train_topk=tk))
+                cand = None if connect_candidates is None else np.asarray(
+                    connect_candidates[si][h // self.group if self.per_q_head else h])
+                runs.append(ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=cand))
         if not wait:
             if self._builder is None:
                 self._builder = concurrent.futures.ThreadPoolExecutor(_cores(), thread_name_prefix="host_index-build")

@@ -139,7 +139,7 @@ class Index:
         cparams = {k: (METRICS[v] if k == "metric" else v) for k, v in self.params.items()}
         self._c = _core.Index(KINDS[kind], dim, seed=self.seed, **cparams)
         buf, code, head, cap, _ = keysrc.view()
-        self._c.build(buf, code, head, cap, 0, None, 0, None, 0, 1)  # empty, usable
+        self._c.build(buf, code, head, cap, 0, None, 0, None, 0, None, 0, 1)  # empty, usable
 
     def __len__(self) -> int:
         return self._c.n
@@ -157,18 +157,23 @@ class Index:
         """Build statistics: nodes, pivots, repaired nodes, distance counts, phase times (s)."""
         return self._c.stats()
 
-    def build(self, n: int, *, train_queries=None, train_topk=None, threads=None) -> None:
+    def build(self, n: int, *, train_queries=None, train_topk=None, connect_candidates=None,
+              threads=None) -> None:
         """(Re)builds over keys 0..n-1 of the key source. See `build_index`."""
-        self.prepare_build(n, train_queries=train_queries, train_topk=train_topk)(threads)
+        self.prepare_build(n, train_queries=train_queries, train_topk=train_topk,
+                           connect_candidates=connect_candidates)(threads)
 
-    def prepare_build(self, n: int, *, train_queries=None, train_topk=None):
+    def prepare_build(self, n: int, *, train_queries=None, train_topk=None, connect_candidates=None):
         """Validates and converts a build's arguments now; returns `run(threads)`, which builds
         (the C call, GIL released). Lets a caller reject bad input before queuing the work."""
         tq, tk, m, nq = _train_args(self.kind, n, self.dim, train_queries, train_topk)
+        cand = _connect_candidates(self.kind, n, connect_candidates)
         buf, code, head, cap, valid = self._keys.view()
         if n > valid:
             raise ValueError(f"n={n} exceeds the {valid} stored keys")
-        return lambda threads=None: self._c.build(buf, code, head, cap, n, tq, m, tk, nq, _threads(threads))
+        nc = 0 if cand is None else cand.shape[1]
+        return lambda threads=None: self._c.build(buf, code, head, cap, n, tq, m, tk, nq, cand, nc,
+                                                  _threads(threads))
 
     def search(self, queries, k: int, *, ef: int | None = None, threads: int | None = None):
         """Top-k keys by inner product for each query.
@@ -262,8 +267,25 @@ def _train_args(kind, n, dim, train_queries, train_topk):
     return tq, tk, m, nq
 
 
+MAX_CONNECT_CANDIDATES = 1024
+
+
+def _connect_candidates(kind, n, candidates):
+    """Validated roar connectivity candidates [n, C] int32 (C <= MAX_CONNECT_CANDIDATES), or None."""
+    if candidates is None:
+        return None
+    if kind != "roar":
+        raise ValueError(f"connect_candidates do not apply to kind={kind!r}")
+    c = _dtypes.as_ids(candidates, "connect_candidates", ndim=2)
+    if c.shape[0] != n or not 0 < c.shape[1] <= MAX_CONNECT_CANDIDATES:
+        raise ValueError(f"connect_candidates shape {c.shape} must be [{n} keys, 1..{MAX_CONNECT_CANDIDATES}]")
+    if c.size and (c.min() < -1 or c.max() >= n):
+        raise ValueError(f"connect_candidates ids out of range: must lie in [-1, {n}) (-1 = padding)")
+    return np.ascontiguousarray(c, dtype=np.int32)
+
+
 def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None,
-                seed: int = 0, threads: int | None = None, **params) -> Index:
+                connect_candidates=None, seed: int = 0, threads: int | None = None, **params) -> Index:
     """Builds a standalone index over keys (which it copies and owns).
 
     Args:
@@ -273,6 +295,11 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
             keys are computed here when train_topk is not given.
         train_topk: roar only: [M, N_q] int ids of each training query's
             exact top keys, best first (-1 = padding), e.g. from the device.
+        connect_candidates: roar only: [N, C] int ids (-1 = padding) of each
+            key's candidate neighbours for the connectivity pass, e.g. its C
+            nearest keys computed on the device (`key_neighbours`); they
+            replace that pass's graph search of every key, most of a build's
+            time. None: searched, as RoarGraph does.
         seed: seeds k-means sampling (the graph builds use no randomness). A
             build with threads=1 is deterministic; with more threads, graph
             builds insert concurrently and results vary within noise.
@@ -300,5 +327,6 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
     src = OwnedKeys(dim, code)
     ix = Index(kind, dim, src, seed=_dtypes.positive_int(seed, "seed", allow_zero=True), **params)
     src.append(a, code)
-    ix.build(n, train_queries=train_queries, train_topk=train_topk, threads=threads)
+    ix.build(n, train_queries=train_queries, train_topk=train_topk, connect_candidates=connect_candidates,
+             threads=threads)
     return ix

@@ -20,6 +20,7 @@ from ops.prefill_attention import prefill_attention
 from ops.prefill_attention import prefill_attention_reference
 from ops.topk import exact_topk
 from ops.topk import exact_topk_reference
+from ops.topk import nearest_keys
 
 # `merge` is the name used in DESIGN.md's decode-step sketch.
 merge = merge_partials
@@ -27,6 +28,7 @@ merge = merge_partials
 __all__ = [
     "exact_topk",
     "exact_topk_reference",
+    "nearest_keys",
     "key_page_scores",
     "key_page_scores_reference",
     "key_scores_pallas_supported",

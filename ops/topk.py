@@ -171,3 +171,33 @@ def exact_topk_reference(
   scores, ids = lax.top_k(s, min(k, num_keys))
   ids = jnp.where(jnp.isneginf(scores), -1, ids.astype(jnp.int32))
   return _pad_k(scores, ids, k)
+
+
+def nearest_keys(
+    keys: jax.Array,  # [H, N, D]
+    count: int,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> jax.Array:
+  """[H, N, count] int32: each key's `count` nearest other keys of its head by L2 distance,
+  nearest first; -1 where the head has fewer than count + 1 keys.
+
+  The connectivity candidates of a roar build (host_index.build_index's
+  connect_candidates), which then skips searching its graph for every key. Ranking by
+  ||a - b||^2 is ranking by a·b - ||b||^2 / 2, an inner product of [a, -1/2] with
+  [b, ||b||^2]: exact_topk over those augmented vectors, in float32.
+  """
+  _checks.check_float("keys", keys)
+  _checks.check_ndim("keys", keys, (3,), "[heads, num_keys, head_dim]")
+  if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    raise ValueError(f"{count=} must be a python int >= 1")
+  k32 = keys.astype(jnp.float32)
+  sq = jnp.sum(k32 * k32, axis=-1, keepdims=True)
+  queries = jnp.concatenate([k32, jnp.full_like(sq, -0.5)], axis=-1)
+  augmented = jnp.concatenate([k32, sq], axis=-1)
+  _, ids = exact_topk(queries, augmented, count + 1, block_q=block_q, block_n=block_n)
+  # Drop each key itself: first by construction, unless exact duplicates tie ahead of it.
+  own = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :, None]
+  order = jnp.argsort(ids == own, axis=-1, stable=True)  # the others first, still nearest first
+  return jnp.take_along_axis(ids, order, axis=-1)[..., :count]

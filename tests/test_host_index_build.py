@@ -105,3 +105,81 @@ def test_save_waits_for_queued_builds(tmp_path):
     loaded = hi.HostContext.load(tmp_path / "ctx")
     assert ctx._builds == []
     assert_same_indexes(exported(ctx), exported(loaded))
+
+
+# -- connect_candidates: the connectivity pass links through given neighbours ---------------
+
+
+def roar_data(n=2000, d=16, m=200, seed=0):
+    keys = clustered(n, d, seed=seed)
+    train = clustered(m, d, seed=seed + 1, shift=0.3)
+    queries = clustered(64, d, seed=seed + 2, shift=0.3)
+    return keys, train, queries
+
+
+def recall_at(ix, keys, queries, k=10, ef=64):
+    truth = np.argsort(-(queries @ keys.T), axis=1)[:, :k]
+    ids, _, scanned = ix.search(queries, k, ef=ef)
+    return np.mean([len(set(a) & set(b)) / k for a, b in zip(ids, truth)]), scanned.mean()
+
+
+def test_roar_with_nearest_key_candidates_skips_the_search_and_keeps_recall():
+    keys, train, queries = roar_data()
+    searched = hi.build_index(keys, kind="roar", train_queries=train, threads=1)
+    linked = hi.build_index(keys, kind="roar", train_queries=train, threads=1,
+                            connect_candidates=hi.key_neighbours(keys, 32))
+    # the connectivity pass computes 32 distances a key instead of a graph search per key
+    assert linked.stats()["dist_build"] < 0.5 * searched.stats()["dist_build"]
+    # On these few-cluster vectors the kNN-linked graph needs a wider beam than the searched one
+    # (0.94 vs 0.99 at ef 64); on real SmolLM2 keys the two match (host_index/NOTES_roar.md).
+    r_searched, scan_searched = recall_at(searched, keys, queries, ef=128)
+    r_linked, scan_linked = recall_at(linked, keys, queries, ef=128)
+    assert r_linked >= 0.99 and r_searched >= 0.99
+    assert scan_linked <= 1.1 * scan_searched
+
+
+def test_useless_candidates_still_leave_every_key_reachable():
+    keys, train, queries = roar_data(n=600)
+    none = np.full((600, 4), -1)  # no candidate at all: projection links and the repair pass only
+    ix = hi.build_index(keys, kind="roar", train_queries=train, threads=1, connect_candidates=none)
+    ids, _, _ = ix.search(keys[:50], 1, ef=600)  # a search wide enough to visit every reachable key
+    np.testing.assert_array_equal(ids[:, 0], np.argmax(keys[:50] @ keys.T, axis=1))
+
+
+def test_build_layer_hands_each_index_its_kv_heads_candidates():
+    ctx, train = filled("roar")
+    cand = np.stack([np.stack([hi.key_neighbours(ctx.store.keys(s, 0)[g], 8) for g in range(HKV)])
+                     for s in range(S)])  # [S, Hkv, N, 8]
+    ctx.build_layer(0, train_queries=train[0], connect_candidates=cand, threads=1)
+    reference, _ = filled("roar")
+    for s in range(S):
+        for h in range(HQ):
+            reference.index(s, 0, h).build(N, train_queries=train[0][s, h], connect_candidates=cand[s, h // (HQ // HKV)],
+                                           threads=1)
+    for s in range(S):
+        for h in range(HQ):
+            a, b = ctx.index(s, 0, h)._c.export(), reference.index(s, 0, h)._c.export()
+            np.testing.assert_array_equal(np.asarray(a["adj"]), np.asarray(b["adj"]))
+
+
+@pytest.mark.parametrize("cand,match", [
+    (np.zeros((N, 4), np.int64), "must start with"),  # not [S, Hkv, N, C]
+    (np.zeros((S, HQ, N, 4), np.int64), "must start with"),  # query heads, not KV heads
+    (np.full((S, HKV, N, 4), N), "out of range"),
+    (np.zeros((S, HKV, N - 1, 4), np.int64), "must be"),
+    (np.zeros((S, HKV, N, 4), np.float32), "not an integer")])
+def test_bad_connect_candidates(cand, match):
+    ctx, train = filled("roar")
+    with pytest.raises((ValueError, TypeError), match=match):
+        ctx.build_layer(0, train_queries=train[0], connect_candidates=cand, wait=False)
+    assert ctx._builds == []
+
+
+def test_connect_candidates_only_for_roar_and_key_neighbours_checks():
+    ctx, _ = filled("graph")
+    with pytest.raises(ValueError, match="does not apply"):
+        ctx.build_layer(0, connect_candidates=np.zeros((S, HKV, N, 4), np.int64))
+    with pytest.raises(ValueError, match="count=0"):
+        hi.key_neighbours(np.zeros((5, 4), np.float32), 0)
+    with pytest.raises(ValueError, match=r"\[N, D\]"):
+        hi.key_neighbours(np.zeros((2, 5, 4), np.float32), 3)

@@ -60,3 +60,49 @@ def test_bad_input(bad, err, match):
   keys = jnp.ones((2, 20, 64), bad.get("kdtype", jnp.float32))
   with pytest.raises(err, match=match):
     ops.exact_topk(queries, keys, bad.get("k", 3))
+
+
+# -- nearest_keys: each key's nearest other keys (roar's connectivity candidates) -----------
+
+
+def brute_neighbours(keys, count):
+  """[N, count] by a full float64 sort of every pairwise L2 distance (-1 padded)."""
+  k = keys.astype(np.float64)
+  d = ((k[:, None, :] - k[None, :, :]) ** 2).sum(-1)
+  np.fill_diagonal(d, np.inf)
+  out = np.full((len(k), count), -1)
+  c = min(count, len(k) - 1)
+  out[:, :c] = np.argsort(d, axis=1, kind="stable")[:, :c]
+  return out
+
+
+@pytest.mark.parametrize("n,count,block_n", [(300, 8, 64), (40, 12, 16), (5, 7, 8)])
+def test_nearest_keys_matches_brute_force_and_numpy(n, count, block_n):
+  import host_index
+
+  rng = np.random.default_rng(n)
+  keys = rng.standard_normal((2, n, 16)).astype(np.float32)
+  got = np.asarray(ops.nearest_keys(jnp.asarray(keys), count, block_q=32, block_n=block_n))
+  assert got.shape == (2, n, count) and got.dtype == np.int32
+  for h in range(2):
+    want = brute_neighbours(keys[h], count)
+    np.testing.assert_array_equal(got[h], want)  # random floats: no ties
+    np.testing.assert_array_equal(host_index.key_neighbours(keys[h], count, block=37), want)
+
+
+def test_nearest_keys_never_lists_a_key_as_its_own_neighbour_with_duplicates():
+  keys = np.repeat(np.arange(6, dtype=np.float32)[:, None], 4, axis=1)[None]  # [1, 6, 4]
+  keys = np.concatenate([keys, keys], axis=1)  # every key twice: ties at distance 0
+  got = np.asarray(ops.nearest_keys(jnp.asarray(keys), 3))[0]
+  for i, row in enumerate(got):
+    assert i not in row and row[0] == (i + 6) % 12  # the duplicate is nearest
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(keys=np.zeros((4, 8), np.float32), count=2), "keys"),
+    (dict(keys=np.zeros((1, 4, 8), np.int32), count=2), "keys"),
+    (dict(keys=np.zeros((1, 4, 8), np.float32), count=0), "count=0"),
+    (dict(keys=np.zeros((1, 4, 8), np.float32), count=True), "count=True")])
+def test_nearest_keys_bad_input(bad, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    ops.nearest_keys(jnp.asarray(bad["keys"]), bad["count"])

@@ -607,7 +607,8 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
 }
 
 int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
-                  int64_t m, const int64_t *topk, int nq, int threads) {
+                  int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
+                  int threads) {
   ix->n = n;
   memset(ix->deg, 0, (size_t)ix->cap * sizeof(int32_t));
   if (n == 0) return HI_OK;
@@ -752,7 +753,10 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
 
   /* 3. Connectivity enhancement: every key searches the graph for its own
    * neighbours (list L) and fills its free slots with RNG-selected ones,
-   * adding reverse edges, so keys the projection missed become reachable. */
+   * adding reverse edges, so keys the projection missed become reachable.
+   * With `cand` ([n, ncand] ids, -1 padded: e.g. each key's exact nearest
+   * keys, computed on the device) those candidates replace the search, which
+   * is most of a build's time. */
   t0 = hi_now();
   ix->entry = nearest_to_mean(&k32, n, threads);
 #pragma omp parallel num_threads(hi_threads(threads))
@@ -765,18 +769,33 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       int32_t sel[HI_MAX_R];
       int npre = read_nbrs(ix, locks, (int32_t)x, sel);
       if (npre >= M) continue;
-      int64_t nt;
       const float *xv = hi_row(&k32, x);
-      int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, 0, &ws, locks, &nt);
-      if (s < 0) {
-        lerr = (int)s;
-        continue;
-      }
-      g.ndist += s;
-      if ((lerr = ensure_pool(&ws, nt + 1))) continue;
       int64_t np = 0;
-      for (int64_t i = 0; i < nt; i++)
-        if (ws.top[i].id != x) ws.pool[np++] = ws.top[i];
+      if (cand) {
+        if ((lerr = ensure_pool(&ws, ncand + 1))) continue;
+        const int32_t *row = cand + (size_t)x * (size_t)ncand;
+        for (int i0 = 0; i0 < ncand; i0 += 256) {
+          int32_t ids[256];
+          float dd[256];
+          int b = 0;
+          for (int i = i0; i < ncand && i < i0 + 256; i++)
+            if (row[i] >= 0 && row[i] < n && row[i] != x) ids[b++] = row[i];
+          dist_ids(&k32, g.metric, xv, ids, b, dd);
+          for (int i = 0; i < b; i++) ws.pool[np++] = (hi_pair){dd[i], ids[i]};
+        }
+        g.ndist += np;
+      } else {
+        int64_t nt;
+        int64_t s = search_core(ix, &k32, n, xv, g.metric, ix->p.L, 0, 0, &ws, locks, &nt);
+        if (s < 0) {
+          lerr = (int)s;
+          continue;
+        }
+        g.ndist += s;
+        if ((lerr = ensure_pool(&ws, nt + 1))) continue;
+        for (int64_t i = 0; i < nt; i++)
+          if (ws.top[i].id != x) ws.pool[np++] = ws.top[i];
+      }
       qsort(ws.pool, (size_t)np, sizeof(hi_pair), cmp_pair);
       const int ns = select_nbrs(&g, ws.pool, np, sel, npre, M, &ws);
       spin_lock(&locks[x]);

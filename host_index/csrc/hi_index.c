@@ -131,7 +131,8 @@ size_t hi_index_nbytes(const hi_index_t *ix) {
 }
 
 int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
-                   int64_t m, const int64_t *topk, int nq, int threads) {
+                   int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
+                   int threads) {
   if (n < 0 || n > keys->nrows || n > INT32_MAX - 1) return HI_EINVAL;
   memset(&ix->stats, 0, sizeof ix->stats);
   ix->n = 0;
@@ -143,7 +144,7 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
     case HI_FLAT: ix->n = n; return HI_OK;
     case HI_IVF: return hi_ivf_build(ix, keys, n, threads);
     case HI_GRAPH: return hi_graph_build(ix, keys, n, threads);
-    case HI_ROAR: return hi_roar_build(ix, keys, n, tq, m, topk, nq, threads);
+    case HI_ROAR: return hi_roar_build(ix, keys, n, tq, m, topk, nq, cand, ncand, threads);
     default: return HI_EINVAL;
   }
 }

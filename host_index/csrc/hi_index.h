@@ -90,9 +90,11 @@ size_t hi_index_nbytes(const hi_index_t *ix);
 
 /* Build over keys 0..n-1 (replaces any previous content). tq/topk: roar's
  * training queries [m, dim] and/or their top-nq ids [m, nq] (either may be
- * NULL; topk ids are validated by the caller). */
+ * NULL; topk ids are validated by the caller). cand: roar's connectivity
+ * candidates [n, ncand] (ids, -1 padded; NULL: searched in the graph). */
 int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
-                   int64_t m, const int64_t *topk, int nq, int threads);
+                   int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
+                   int threads);
 
 /* Add keys ix->n .. n_total-1. queries [n_total - ix->n, dim] or NULL. */
 int hi_index_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
@@ -116,7 +118,8 @@ int hi_ivf_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const 
                   int nprobe, hi_ws_t *ws, int64_t *ntop, int64_t *scanned);
 int hi_graph_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads);
 int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
-                  int64_t m, const int64_t *topk, int nq, int threads);
+                  int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
+                  int threads);
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries);
 int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const float *q,

@@ -114,24 +114,26 @@ static int ready(IndexObject *self) {
   return -1;
 }
 
-/* build(keys, dtype, head, cap, n, train_queries|None, m, train_topk|None, nq, threads) */
+/* build(keys, dtype, head, cap, n, train_queries|None, m, train_topk|None, nq,
+ *       connect_candidates|None, ncand, threads) */
 static PyObject *Index_build(IndexObject *self, PyObject *args) {
-  PyObject *ko, *tqo, *tko;
-  int dtype, nq, threads;
+  PyObject *ko, *tqo, *tko, *cco;
+  int dtype, nq, ncand, threads;
   Py_ssize_t head, cap, n, m;
-  if (!PyArg_ParseTuple(args, "OinnnOnOii", &ko, &dtype, &head, &cap, &n, &tqo, &m, &tko, &nq,
-                        &threads) ||
+  if (!PyArg_ParseTuple(args, "OinnnOnOiOii", &ko, &dtype, &head, &cap, &n, &tqo, &m, &tko, &nq,
+                        &cco, &ncand, &threads) ||
       ready(self) < 0)
     return NULL;
-  if (n < 0 || n > cap || m < 0 || nq < 0) {
+  if (n < 0 || n > cap || m < 0 || nq < 0 || ncand < 0) {
     PyErr_SetString(PyExc_ValueError, "invalid sizes");
     return NULL;
   }
-  Py_buffer kb, qb = {0}, tb = {0};
+  Py_buffer kb, qb = {0}, tb = {0}, cb = {0};
   hi_keys_t kv;
   if (keys_view(ko, &kb, dtype, self->ix.dim, head, cap, n, &kv) < 0) return NULL;
   const float *tq = NULL;
   const int64_t *tk = NULL;
+  const int32_t *cand = NULL;
   if (tqo != Py_None) {
     if (get_buf(tqo, &qb, 0, m * self->ix.dim * 4, "train_queries") < 0) goto fail;
     tq = qb.buf;
@@ -145,19 +147,30 @@ static PyObject *Index_build(IndexObject *self, PyObject *args) {
         goto fail;
       }
   }
+  if (cco != Py_None && ncand > 0) {
+    if (get_buf(cco, &cb, 0, n * ncand * 4, "connect_candidates") < 0) goto fail;
+    cand = cb.buf;
+    for (Py_ssize_t i = 0; i < n * ncand; i++)
+      if (cand[i] < -1 || cand[i] >= n) {
+        PyErr_SetString(PyExc_ValueError, "connect_candidates id out of range");
+        goto fail;
+      }
+  }
   int err;
   Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
-  err = hi_index_build(&self->ix, &kv, n, tq, m, tk, nq, threads);
+  err = hi_index_build(&self->ix, &kv, n, tq, m, tk, nq, cand, cand ? ncand : 0, threads);
   if (err) self->ix.n = 0; /* a failed build leaves an empty, usable index */
   pthread_rwlock_unlock(&self->ix.lock);
   Py_END_ALLOW_THREADS PyBuffer_Release(&kb);
   if (qb.obj) PyBuffer_Release(&qb);
   if (tb.obj) PyBuffer_Release(&tb);
+  if (cb.obj) PyBuffer_Release(&cb);
   if (raise_err(err) < 0) return NULL;
   Py_RETURN_NONE;
 fail:
   PyBuffer_Release(&kb);
   if (qb.obj) PyBuffer_Release(&qb);
+  if (cb.obj) PyBuffer_Release(&cb);
   if (tb.obj) PyBuffer_Release(&tb);
   return NULL;
 }

@@ -101,6 +101,20 @@ def _train_topk(
   return out
 
 
+# Each key's nearest keys handed to a roar build, which then links through them instead of
+# searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
+# vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
+CONNECT_CANDIDATES = 64
+
+
+def _connect_candidates(keys) -> np.ndarray:  # keys: [Hkv, N, D] -> [Hkv, N, C] int32
+  """Each stored key's CONNECT_CANDIDATES nearest keys: ops.nearest_keys on an accelerator,
+  host_index.key_neighbours (NumPy) on a CPU backend."""
+  if jax.default_backend() != "cpu":
+    return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
+  return np.stack([host_index.key_neighbours(np.asarray(k, np.float32), CONNECT_CANDIDATES) for k in keys])
+
+
 @dataclasses.dataclass(frozen=True)
 class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   """Options:
@@ -423,7 +437,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
         ids = _train_topk(queries, keys, min(self.train_topk, end - S))
         context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
-                            train_topk=ids[None], wait=False)
+                            train_topk=ids[None], connect_candidates=_connect_candidates(keys)[None], wait=False)
       else:
         context.build_layer(layer, seqs=[b], wait=False)
     return state
