@@ -187,3 +187,31 @@ def test_cpu_training_topk_equals_the_device_op():
   want = np.asarray(ops.exact_topk(jnp.asarray(queries), jnp.asarray(keys), 9)[1])
   assert got.dtype == np.int32 and got.shape == (6, 70, 9)
   np.testing.assert_array_equal(got, want)
+
+
+def test_roar_prefill_links_through_nearest_keys_up_to_the_limit(monkeypatch):
+  """Each roar layer's build gets the keys' nearest keys (ops.nearest_keys's lists on a CPU
+  backend) until a head holds more than MAX_CANDIDATE_KEYS; decode is exact either way."""
+  from kvjax.policies import retrieval
+
+  calls = []
+  original = retrieval._connect_candidates
+
+  def recorded(keys):
+    cand = original(keys)
+    calls.append(None if cand is None else cand.shape)
+    return cand
+
+  monkeypatch.setattr(retrieval, "_connect_candidates", recorded)
+  model = tiny_model("llama")
+  prompt = random_prompt(53)
+  full = run(model, prompt)
+  linked = run(model, prompt, index="roar", topk=500, **SMALL)
+  n = 53 - SMALL["sinks"] - SMALL["window"]
+  kv_heads = model.cfg.num_kv_heads
+  assert calls == [(kv_heads, n, retrieval.CONNECT_CANDIDATES)] * model.cfg.num_layers
+  monkeypatch.setattr(retrieval, "MAX_CANDIDATE_KEYS", n - 1)
+  searched = run(model, prompt, index="roar", topk=500, **SMALL)
+  assert calls[model.cfg.num_layers:] == [None] * model.cfg.num_layers
+  for result in (linked, searched):
+    assert result.tokens == full.tokens

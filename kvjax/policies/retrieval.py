@@ -105,11 +105,17 @@ def _train_topk(
 # searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
 # vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
 CONNECT_CANDIDATES = 64
+# The exact neighbours cost 2 N^2 (D + 1) flops a KV head: ~4e12 at 128K keys and D = 128 (a
+# few seconds for 8B shapes' 256 heads in f32 on an H200), 16x that at 512K. Longer heads are
+# built by searching, as RoarGraph does.
+MAX_CANDIDATE_KEYS = 131072
 
 
-def _connect_candidates(keys) -> np.ndarray:  # keys: [Hkv, N, D] -> [Hkv, N, C] int32
-  """Each stored key's CONNECT_CANDIDATES nearest keys: ops.nearest_keys on an accelerator,
-  host_index.key_neighbours (NumPy) on a CPU backend."""
+def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or None
+  """Each stored key's CONNECT_CANDIDATES nearest keys (ops.nearest_keys on an accelerator,
+  host_index.key_neighbours on a CPU backend); None past MAX_CANDIDATE_KEYS."""
+  if keys.shape[1] > MAX_CANDIDATE_KEYS:
+    return None
   if jax.default_backend() != "cpu":
     return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
   return np.stack([host_index.key_neighbours(np.asarray(k, np.float32), CONNECT_CANDIDATES) for k in keys])
@@ -436,8 +442,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
         queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
         ids = _train_topk(queries, keys, min(self.train_topk, end - S))
+        cand = _connect_candidates(keys)
         context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
-                            train_topk=ids[None], connect_candidates=_connect_candidates(keys)[None], wait=False)
+                            train_topk=ids[None], connect_candidates=None if cand is None else cand[None], wait=False)
       else:
         context.build_layer(layer, seqs=[b], wait=False)
     return state
