@@ -196,11 +196,11 @@ class HostPhases:
       self.snapshots.append({k: v for k, v in stats.items() if k.endswith("_seconds")})
 
   def medians(self) -> dict:
-    if len(self.snapshots) < 3:
+    snaps = self.snapshots  # after steps 1, 2, ...: consecutive differences are steps 2, 3, ...
+    if len(snaps) < 2:
       return {}
-    later = self.snapshots[1:]
     return {f"{k.removesuffix('_seconds')}_ms_median": round(1e3 * float(np.median(
-        [b[k] - a[k] for a, b in zip(later, later[1:])])), 3) for k in later[0]}
+        [b[k] - a[k] for a, b in zip(snaps, snaps[1:])])), 3) for k in snaps[0]}
 
 
 def summaries(rows: list[dict]) -> list[dict]:

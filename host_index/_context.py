@@ -211,16 +211,16 @@ class HostContext:
         from the end of the prompt.
         """
         seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
-        for name, arr, heads in (("train_queries", train_queries, f"{self.num_q_heads} q heads"),
-                                 ("train_topk", train_topk, f"{self.num_q_heads} q heads"),
-                                 ("connect_candidates", connect_candidates, f"{self.store.num_kv_heads} kv heads")):
+        Hq, Hkv = self.num_q_heads, self.store.num_kv_heads
+        for name, arr, heads, kind in (("train_queries", train_queries, Hq, "q"), ("train_topk", train_topk, Hq, "q"),
+                                       ("connect_candidates", connect_candidates, Hkv, "kv")):
             if arr is None:
                 continue
             if self.kind != "roar":
                 raise ValueError(f"{name} does not apply to kind={self.kind!r}")
             shape = np.shape(arr)
-            if len(shape) != 4 or shape[0] != len(seqs) or shape[1] != int(heads.split()[0]):
-                raise ValueError(f"{name} shape {shape} must start with [{len(seqs)} seqs, {heads}]")
+            if len(shape) != 4 or shape[0] != len(seqs) or shape[1] != heads:
+                raise ValueError(f"{name} shape {shape} must start with [{len(seqs)} seqs, {heads} {kind} heads]")
         per_build = None if threads is None else _dtypes.positive_int(threads, "threads")
         G = 1 if self.per_q_head else self.group
         runs = []  # validated builds, one per (seq, index head)

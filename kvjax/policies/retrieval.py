@@ -105,9 +105,9 @@ def _train_topk(
 # searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
 # vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
 CONNECT_CANDIDATES = 64
-# The exact neighbours cost 2 N^2 (D + 1) flops a KV head: ~4e12 at 128K keys and D = 128 (a
-# few seconds for 8B shapes' 256 heads in f32 on an H200), 16x that at 512K. Longer heads are
-# built by searching, as RoarGraph does.
+# The exact neighbours cost 2 N^2 (D + 1) flops a KV head in f32: ~4e12 at 128K keys and
+# D = 128, ~1e15 for 8B shapes' 256 KV heads (an estimate of 10-20 s on an H200, not measured),
+# 16x that at 512K. Longer heads are built by searching, as RoarGraph does.
 MAX_CANDIDATE_KEYS = 131072
 
 
