@@ -190,10 +190,13 @@ def test_cpu_training_topk_equals_the_device_op():
 
 
 def test_roar_prefill_links_through_nearest_keys_up_to_the_limit(monkeypatch):
-  """Each roar layer's build gets the keys' nearest keys (ops.nearest_keys's lists on a CPU
-  backend) until a head holds more than MAX_CANDIDATE_KEYS; decode is exact either way."""
+  """With an accelerator (NEIGHBOURS_ON_CPU stands in for one) each roar layer's build gets
+  the keys' nearest keys until a head holds more than MAX_CANDIDATE_KEYS; decode is exact
+  either way."""
   from kvjax.policies import retrieval
 
+  assert retrieval._connect_candidates(np.zeros((1, 8, 4), np.float32)) is None  # a CPU backend searches
+  monkeypatch.setattr(retrieval, "NEIGHBOURS_ON_CPU", True)
   calls = []
   original = retrieval._connect_candidates
 

@@ -109,16 +109,18 @@ CONNECT_CANDIDATES = 64
 # D = 128, ~1e15 for 8B shapes' 256 KV heads (an estimate of 10-20 s on an H200, not measured),
 # 16x that at 512K. Longer heads are built by searching, as RoarGraph does.
 MAX_CANDIDATE_KEYS = 131072
+# On a CPU backend the neighbours take the cores the builds need, and cost more than the searches
+# they replace (SmolLM2, 6K-token prompt, 2 cores: prefill and index 165 s with them, 127-129 s
+# without): they are computed where an accelerator does the work, unless this is set (tests).
+NEIGHBOURS_ON_CPU = False
 
 
 def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or None
-  """Each stored key's CONNECT_CANDIDATES nearest keys (ops.nearest_keys on an accelerator,
-  host_index.key_neighbours on a CPU backend); None past MAX_CANDIDATE_KEYS."""
-  if keys.shape[1] > MAX_CANDIDATE_KEYS:
+  """Each stored key's CONNECT_CANDIDATES nearest keys by ops.nearest_keys; None (the builds
+  search instead) past MAX_CANDIDATE_KEYS and on a CPU backend (see NEIGHBOURS_ON_CPU)."""
+  if keys.shape[1] > MAX_CANDIDATE_KEYS or (jax.default_backend() == "cpu" and not NEIGHBOURS_ON_CPU):
     return None
-  if jax.default_backend() != "cpu":
-    return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
-  return np.stack([host_index.key_neighbours(np.asarray(k, np.float32), CONNECT_CANDIDATES) for k in keys])
+  return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
 
 
 @dataclasses.dataclass(frozen=True)
