@@ -15,7 +15,8 @@ roar graphs: the builds use 16 threads well, so the queue's gain is determinism 
 builds) and the overlap with the caller's next layer, not build speed.
 
 roar trains on `--train_queries` strided queries per query head with their exact top-100 among
-the layer's keys, computed once here with NumPy (on a GPU prefill the device computes them).
+the layer's keys, computed once beforehand as retrieval's prefill does (on the device where
+there is one).
 Vectors: SYNTHETIC clusters (host_index.synthetic.clustered), or with --capture a cached
 experiments/recall.py capture (.npz with q [L, Hq, N, D] and k [L, Hkv, N, D]), whose layers
 are reused cyclically. Build times depend on the vectors (a graph's connectivity pass searches
@@ -32,6 +33,7 @@ from absl import app, flags
 import host_index
 from host_index.synthetic import clustered
 from kvjax.host_runtime import available_cores
+from kvjax.policies.retrieval import _train_topk
 import results_io
 
 flags.DEFINE_integer("layers", 24, "Layers, every one indexed.")
@@ -50,12 +52,11 @@ flags.DEFINE_string("name", "bench_build", "Results file name.")
 FLAGS = flags.FLAGS
 
 
-def layer_vectors(layer: int, rng):
+def layer_vectors(layer: int, capture):
   """Keys [Hkv, N, D] and training queries [Hq, M, D] float32 of one layer."""
   Hq, Hkv, D, N, M = FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.keys, FLAGS.train_queries
-  if FLAGS.capture:
-    data = np.load(FLAGS.capture)
-    k, q = data["k"], data["q"]
+  if capture is not None:
+    k, q = capture["k"], capture["q"]
     src = layer % k.shape[0]
     if k.shape[1] != Hkv or q.shape[1] != Hq or k.shape[3] != D or k.shape[2] < N:
       raise app.UsageError(f"--capture holds k {k.shape}, q {q.shape}: it does not fit the requested shapes")
@@ -64,18 +65,6 @@ def layer_vectors(layer: int, rng):
   keys = np.stack([clustered(N, D, seed=1000 * layer + h) for h in range(Hkv)])
   queries = np.stack([clustered(M, D, seed=7 + 1000 * layer + h, shift=0.3) for h in range(Hq)])
   return keys, queries
-
-
-def exact_topk(queries, keys, k: int, block: int = 1024):
-  """[Hq, M, k] int64: each query's exact top-k keys of its KV head, best first."""
-  G = queries.shape[0] // keys.shape[0]
-  out = np.empty(queries.shape[:2] + (k,), np.int64)
-  for h in range(queries.shape[0]):
-    for start in range(0, queries.shape[1], block):
-      s = queries[h, start:start + block] @ keys[h // G].T
-      part = np.argpartition(-s, k - 1, axis=1)[:, :k]
-      out[h, start:start + block] = np.take_along_axis(part, np.argsort(-np.take_along_axis(s, part, 1), 1), 1)
-  return out
 
 
 def build_all(schedule: str, layers) -> tuple[host_index.HostContext, float]:
@@ -95,12 +84,13 @@ def build_all(schedule: str, layers) -> tuple[host_index.HostContext, float]:
 
 def main(argv):
   del argv
-  rng = np.random.default_rng(0)
   t = time.perf_counter()
+  capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
   layers = []
   for layer in range(FLAGS.layers):
-    keys, queries = layer_vectors(layer, rng)
-    topk = exact_topk(queries, keys, FLAGS.train_topk) if FLAGS.index == "roar" else None
+    keys, queries = layer_vectors(layer, capture)
+    # the training links as retrieval's prefill computes them (ops.exact_topk on an accelerator)
+    topk = _train_topk(queries, keys, FLAGS.train_topk) if FLAGS.index == "roar" else None
     layers.append((keys, queries, topk))
   prepare_s = time.perf_counter() - t
   rows, reference = [], None
@@ -122,7 +112,7 @@ def main(argv):
     row["speedup_vs_first"] = round(base / row["build_s"], 2)
   vectors = f"capture {FLAGS.capture}" if FLAGS.capture else "SYNTHETIC clustered vectors"
   notes = (f"One sequence, every layer indexed; {vectors}; exact training top-{FLAGS.train_topk} computed beforehand "
-           f"with NumPy ({prepare_s:.1f} s, not in build_s). build_s = wall seconds to build every index; "
+           f"as retrieval's prefill does ({prepare_s:.1f} s, not in build_s). build_s = wall seconds to build every index; "
            "probe_top10_overlap = top-10 overlap with the first schedule's index for each head's first training "
            "query (builds with several threads differ within noise; one-thread builds are deterministic).")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)

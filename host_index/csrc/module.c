@@ -147,14 +147,9 @@ static PyObject *Index_build(IndexObject *self, PyObject *args) {
         goto fail;
       }
   }
-  if (cco != Py_None && ncand > 0) {
+  if (cco != Py_None && ncand > 0) { /* ids outside [0, n) are skipped by the build */
     if (get_buf(cco, &cb, 0, n * ncand * 4, "connect_candidates") < 0) goto fail;
     cand = cb.buf;
-    for (Py_ssize_t i = 0; i < n * ncand; i++)
-      if (cand[i] < -1 || cand[i] >= n) {
-        PyErr_SetString(PyExc_ValueError, "connect_candidates id out of range");
-        goto fail;
-      }
   }
   int err;
   Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
