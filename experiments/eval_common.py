@@ -94,9 +94,10 @@ def summarize(rows: list[dict], keys: tuple[str, ...]) -> list[dict]:
 
 
 def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, ...], name: str, out_dir,
-                 seed: int) -> list[dict]:
+                 seed: int, measured_by: list[dict] | None = None) -> list[dict]:
   """<name>_paired.json / .md: each policy's paired loss against `full` per cell
-  (kvjax.eval.paired), when `full` ran; returns its rows."""
+  (kvjax.eval.paired), when `full` ran; returns its rows. `measured_by`: as in
+  results_io.write_results."""
   table = kveval.compare_to_reference(rows, cell=cell, sample=sample, reference="full", seed=seed)
   if table:
     results_io.write_results(
@@ -104,7 +105,7 @@ def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, 
         notes="Paired loss (full's score - the policy's) per sample, mean and 95% percentile-bootstrap interval "
               f"over the samples (seed {seed}); 'no loss > 0.02' = the interval lies below 2 points. With pass/fail "
               "scores and no sample lost the interval is [0, 0]: read it with n. criterion_applies: full scores "
-              "above 0.5 in the cell.")
+              "above 0.5 in the cell.", measured_by=measured_by)
   return table
 
 

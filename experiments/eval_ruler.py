@@ -80,9 +80,10 @@ SCORES = ("scores: RULER string_match_all (niah_*, vt, cwe, fwe), exact match (k
 
 def combine(paths: list[str]) -> None:
   """One table from the rows of several eval_ruler results files (runs split by task, say)."""
-  rows, sources = [], []
+  rows, sources, docs = [], [], []
   for path in paths:
     doc = json.loads(pathlib.Path(path).read_text())
+    docs.append(doc)
     rows += doc["rows"]
     partial = " (PARTIAL)" if "PARTIAL" in doc.get("notes", "") else ""
     sources.append(f"`{pathlib.Path(path).name}`{partial}: commit {doc['commit']}, {doc['date']}, `{doc['command']}`")
@@ -92,16 +93,17 @@ def combine(paths: list[str]) -> None:
 
   notes = f"Combined from the rows of: {'; '.join(sources)}. {SCORES}."
   table = write(rows, tasks=ordered("task"), labels=ordered("policy"), lengths=ordered("length"), notes=notes,
-                model_name="")
+                model_name="", measured_by=docs)
   print(results_io.markdown_table(table))
 
 
-def write(rows, *, tasks, labels, lengths, notes: str, model_name: str) -> list[dict]:
+def write(rows, *, tasks, labels, lengths, notes: str, model_name: str, measured_by=None) -> list[dict]:
   summary = eval_common.summarize(rows, ("task", "policy", "length"))
   table = pivot(summary, tasks, [(label, n) for n in lengths for label in labels])
-  results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=table)
+  results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=table,
+                           measured_by=measured_by)
   eval_common.write_paired(rows, cell=("task", "length"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,
-                           seed=FLAGS.seed)
+                           seed=FLAGS.seed, measured_by=measured_by)
   if FLAGS.plot:
     out = pathlib.Path(FLAGS.out_dir) if FLAGS.out_dir else results_io.RESULTS_DIR
     by = {(s["task"], s["policy"], s["length"]): s["score"] for s in summary}

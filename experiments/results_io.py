@@ -48,6 +48,12 @@ def stamp() -> dict:
   }
 
 
+def sources_stamp(docs: list[dict]) -> dict:
+  """Device, JAX version and commit of stamped result documents, each distinct value once."""
+  return {key: ", ".join(dict.fromkeys(str(doc.get(key, "unknown")) for doc in docs))
+          for key in ("device", "jax", "commit")}
+
+
 def decode_fields(result) -> dict:
   """Row fields of a kvjax.GenerationResult: decode ms/token (median after the first step; also
   the mean and the slowest step) and its two parts (the jitted step up to its token, the host
@@ -84,15 +90,17 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | None = None, notes: str = "",
-                  summary: list[dict] | None = None) -> dict:
+                  summary: list[dict] | None = None, measured_by: list[dict] | None = None) -> dict:
   """Writes <out_dir>/<name>.json and <name>.md; returns the JSON document.
 
   `summary` (rows aggregated from `rows`, e.g. mean scores) goes into the JSON under
-  "summary" and into the markdown as a first table, before the rows.
+  "summary" and into the markdown as a first table, before the rows. `measured_by`: the
+  stamped documents the rows were copied from (a combined table): their device, JAX and
+  commit replace this process's, which measured nothing.
   """
   directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
   directory.mkdir(parents=True, exist_ok=True)
-  doc = stamp() | {"rows": rows}
+  doc = stamp() | (sources_stamp(measured_by) if measured_by else {}) | {"rows": rows}
   if notes:
     doc["notes"] = notes
   if summary is not None:
