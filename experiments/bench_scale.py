@@ -46,6 +46,7 @@ POLICIES = {
     "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
     "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
     "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),
+    "freekv_step_lag2_int8": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name (its KV heads must be divisible by --devices).")

@@ -70,7 +70,10 @@ class HostContext:
         Args:
             num_seqs, num_layers, num_q_heads, num_kv_heads, head_dim: cache
                 shape; num_q_heads must be a multiple of num_kv_heads.
-            dtype: K/V storage dtype, "float16" | "bfloat16" | "float32".
+            dtype: K/V storage dtype, "float16" | "bfloat16" | "float32", or
+                "raw16" (caller-encoded uint16 rows, kind "flat" only): a page
+                store that holds no indexes, so every search, attention, build
+                and insert raises ValueError.
             kind: index kind, "flat" | "ivf" | "graph" | "roar".
             index_params: per-kind parameters (see host_index.DEFAULT_PARAMS).
             max_bytes: cap on the store's K/V bytes (indexes are reported in
@@ -89,6 +92,9 @@ class HostContext:
         _dtypes.positive_int(num_kv_heads, "num_kv_heads")
         if num_q_heads % num_kv_heads:
             raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+        if dtype == "raw16" and kind != "flat":
+            raise ValueError(f"{kind=} indexes keys by value, but dtype='raw16' holds opaque "
+                             f"16-bit words: use kind='flat' (a page store)")
         self.store = KVStore(num_seqs, num_layers, num_kv_heads, head_dim, dtype=dtype,
                              max_bytes=max_bytes, page_size=page_size)
         self.num_q_heads = int(num_q_heads)
@@ -106,8 +112,10 @@ class HostContext:
         self.index_heads = self.num_q_heads if self.per_q_head else self.store.num_kv_heads
         self.meta: dict = {}
         S, L = self.store.num_seqs, self.store.num_layers
+        # raw16 holds no numbers to index (the C core refuses even an empty build over it).
+        held = 0 if self.store.code == _dtypes.RAW16 else self.index_heads
         # [seq][layer] -> tuple of Index, one per index head
-        self._ix = [[tuple(self._new_index(s, l, h) for h in range(self.index_heads))
+        self._ix = [[tuple(self._new_index(s, l, h) for h in range(held))
                      for l in range(L)] for s in range(S)]
         self._builder = None  # build_layer(wait=False)'s threads, until wait_builds
         self._builds: list[concurrent.futures.Future] = []
@@ -138,15 +146,16 @@ class HostContext:
     def index(self, seq: int, layer: int, head: int) -> _index.Index:
         """The index of (seq, layer, head); head is a query head for roar with
         roar_heads="query", else a KV head."""
+        self.store._require_floats("HostContext.index")
         self.store._check(seq, layer)
         if not 0 <= head < self.index_heads:
             raise ValueError(f"head={head} out of range [0, {self.index_heads})")
         return self._ix[seq][layer][head]
 
     def indexed(self, seq: int, layer: int) -> int:
-        """Tokens of (seq, layer) covered by its indexes."""
+        """Tokens of (seq, layer) covered by its indexes (0 for raw16, which has none)."""
         self.store._check(seq, layer)
-        return min(len(ix) for ix in self._ix[seq][layer])
+        return min((len(ix) for ix in self._ix[seq][layer]), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -210,6 +219,7 @@ class HostContext:
         the hub seeds (picked from the last quarter of the rows) still come
         from the end of the prompt.
         """
+        self.store._require_floats("HostContext.build_layer")
         seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
         Hq, Hkv = self.num_q_heads, self.store.num_kv_heads
         for name, arr, heads, kind in (("train_queries", train_queries, Hq, "q"), ("train_topk", train_topk, Hq, "q"),
@@ -269,6 +279,7 @@ class HostContext:
         Returns:
             The number of new tokens stored.
         """
+        self.store._require_floats("HostContext.insert")
         keys, values = np.asarray(keys), np.asarray(values)
         for name, a in (("keys", keys), ("values", values)):
             if a.ndim != 3:
@@ -309,6 +320,7 @@ class HostContext:
             stored; when one of those fails for item i, items before it stay
             stored and indexed.
         """
+        self.store._require_floats("HostContext.insert_many")
         seqs, layers, starts = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
                                 for a, name in ((seqs, "seqs"), (layers, "layers"),
                                                 (starts, "starts")))
@@ -366,6 +378,7 @@ class HostContext:
                 them). Every pair must then have exactly n unindexed tokens.
             threads: OpenMP threads (default: all; at most one per index).
         """
+        self.store._require_floats("HostContext.index_stored")
         seqs, layers = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
                         for a, name in ((seqs, "seqs"), (layers, "layers")))
         if len(seqs) != len(layers) or len(set(zip(seqs, layers))) != len(seqs):
@@ -449,6 +462,7 @@ class HostContext:
             nothing is retrieved), scanned [B, Hq] int64, and with return_ids,
             ids [B, Hq, k] int64 (-1 padded).
         """
+        self.store._require_floats("HostContext.attend")
         q, seqs, bufs = self._layer_args(layer, queries, seqs)
         B = q.shape[0]
         k = _dtypes.positive_int(k, "k", allow_zero=True)
@@ -504,6 +518,7 @@ class HostContext:
         Returns:
             ids [B, Hq, k] int64 (best first, -1 padded), scanned [B, Hq] int64.
         """
+        self.store._require_floats("HostContext.search")
         q, seqs, _ = self._layer_args(layer, queries, seqs)
         B = q.shape[0]
         mask = None
@@ -549,6 +564,7 @@ class HostContext:
             ids [T, B, Hq, k] int64 (best first, -1 padded), scanned [T, B, Hq] int64;
             row (t, b) equals `search(layers[t], queries[t])[.][b]`.
         """
+        self.store._require_floats("HostContext.search_layers")
         layers = [int(x) for x in _dtypes.as_ids(np.atleast_1d(layers), "layers", ndim=1)] if len(layers) else []
         if len(set(layers)) != len(layers):
             raise ValueError(f"layers {layers} must be distinct")
@@ -590,6 +606,7 @@ class HostContext:
             o [B, Hq, D] float32 normalized over the given set, lse [B, Hq]
             float32 (-inf with o = 0 where no id is valid), as `attend`.
         """
+        self.store._require_floats("HostContext.attend_ids")
         q, seqs, bufs = self._layer_args(layer, queries, seqs)
         B = q.shape[0]
         a = _dtypes.as_ids(ids, "ids", ndim=3)

@@ -5,17 +5,21 @@ from __future__ import annotations
 import numpy as np
 
 # Codes shared with host_index/csrc/hi_common.h (enum hi_dtype).
-F32, F16, BF16 = 0, 1, 2
+F32, F16, BF16, RAW16 = 0, 1, 2, 3
 CODES = {"float32": F32, "float16": F16, "bfloat16": BF16}
+# raw16: rows a caller encoded itself (e.g. int8 values + a float32 scale) as
+# 16-bit words, stored and handed back bit for bit; nothing reads them as numbers.
+STORE_CODES = {**CODES, "raw16": RAW16}
 # bfloat16 is held as its uint16 bit pattern so the store needs no ml_dtypes.
-STORAGE = {F32: np.dtype(np.float32), F16: np.dtype(np.float16), BF16: np.dtype(np.uint16)}
+STORAGE = {F32: np.dtype(np.float32), F16: np.dtype(np.float16), BF16: np.dtype(np.uint16),
+           RAW16: np.dtype(np.uint16)}
 
 
 def code_of(name: str) -> int:
-    """C code of a storage dtype name ("float32" | "float16" | "bfloat16")."""
-    if name not in CODES:
-        raise ValueError(f"dtype={name!r} must be one of {sorted(CODES)}")
-    return CODES[name]
+    """C code of a storage dtype name ("float32" | "float16" | "bfloat16" | "raw16")."""
+    if name not in STORE_CODES:
+        raise ValueError(f"dtype={name!r} must be one of {sorted(STORE_CODES)}")
+    return STORE_CODES[name]
 
 
 def as_c_array(x, what: str, *, ndim: int) -> tuple[np.ndarray, int]:
@@ -39,6 +43,22 @@ def as_c_array(x, what: str, *, ndim: int) -> tuple[np.ndarray, int]:
     if name == "bfloat16":
         a = a.view(np.uint16)
     return a, CODES[name]
+
+
+def as_raw16(x, what: str, *, ndim: int) -> tuple[np.ndarray, int]:
+    """(C-contiguous uint16 array, RAW16) for a raw16 store: the caller's bits, unconverted.
+
+    Raises:
+        TypeError: not uint16 (a float has no raw16 encoding to convert to).
+        ValueError: wrong number of dimensions.
+    """
+    a = np.asarray(x)
+    if a.dtype != np.uint16:
+        raise TypeError(f"{what}: dtype {a.dtype} is not uint16 (dtype='raw16' stores "
+                        f"encoded rows viewed as uint16)")
+    if a.ndim != ndim:
+        raise ValueError(f"{what}: expected {ndim} dimensions, got shape {a.shape}")
+    return np.ascontiguousarray(a), RAW16
 
 
 def as_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:

@@ -6,6 +6,10 @@ contiguous [cap, D] block (FreeKV's "HND" layout), so a page of 32 consecutive
 tokens of one head is one contiguous copy. Tokens are addressed by their store
 index 0..length-1; what a store index means (which absolute position) is the
 caller's business.
+
+dtype "raw16" holds rows the caller encoded (D uint16 words each, e.g. int8
+values and a scale packed on the GPU) and copies them in and out bit for bit;
+whatever would read them as numbers (keys(), values(), any index) refuses it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class KVStore:
 
         Args:
             num_seqs, num_layers, num_kv_heads, head_dim: shape of the cache.
-            dtype: storage dtype, "float16" | "bfloat16" | "float32".
+            dtype: storage dtype, "float16" | "bfloat16" | "float32", or "raw16"
+                (opaque uint16 words, head_dim of them per row; copied only).
             max_bytes: cap on the bytes of all K/V arrays (None: no cap).
             page_size: capacity is rounded up to whole pages (FreeKV's unit).
         """
@@ -71,6 +76,18 @@ class KVStore:
         """Bytes allocated for all K/V arrays (capacity, not just length)."""
         return self._nbytes
 
+    def _require_floats(self, what: str) -> None:
+        """Refuses `what`, which reads the stored values as numbers, on a raw16 store."""
+        if self.code == _dtypes.RAW16:
+            raise ValueError(f"{what} reads stored values as numbers, but dtype={self.dtype!r} "
+                             f"holds opaque 16-bit words (copy them out with fetch_pages or buffers)")
+
+    def _input(self, x, what: str, *, ndim: int) -> tuple[np.ndarray, int]:
+        """(C-ready array, code) of caller keys/values: uint16 words for raw16, else floats."""
+        if self.code == _dtypes.RAW16:
+            return _dtypes.as_raw16(x, what, ndim=ndim)
+        return _dtypes.as_c_array(x, what, ndim=ndim)
+
     def _check(self, seq, layer):
         if not (isinstance(seq, (int, np.integer)) and 0 <= seq < self.num_seqs):
             raise ValueError(f"seq={seq!r} out of range [0, {self.num_seqs})")
@@ -101,11 +118,13 @@ class KVStore:
 
     def keys(self, seq: int, layer: int) -> np.ndarray:
         """Copy of the stored keys as float32 [Hkv, length, D]."""
+        self._require_floats("keys()")
         k, _, n = self.buffers(seq, layer)
         return self._as_float(k[:, :n])
 
     def values(self, seq: int, layer: int) -> np.ndarray:
         """Copy of the stored values as float32 [Hkv, length, D]."""
+        self._require_floats("values()")
         _, v, n = self.buffers(seq, layer)
         return self._as_float(v[:, :n])
 
@@ -167,7 +186,8 @@ class KVStore:
         Args:
             seq, layer: which cache.
             start: store index of the first token in keys/values.
-            keys, values: [Hkv, n, D] float32/float16/bfloat16, finite.
+            keys, values: [Hkv, n, D] float32/float16/bfloat16, finite; uint16
+                (any bits, copied as they are) for a raw16 store.
             threads: OpenMP threads for the conversion (default: all).
 
         Returns:
@@ -180,8 +200,8 @@ class KVStore:
         """
         self._check(seq, layer)
         start = _dtypes.positive_int(start, "start", allow_zero=True)
-        k, kc = _dtypes.as_c_array(keys, "keys", ndim=3)
-        v, vc = _dtypes.as_c_array(values, "values", ndim=3)
+        k, kc = self._input(keys, "keys", ndim=3)
+        v, vc = self._input(values, "values", ndim=3)
         want = (self.num_kv_heads, k.shape[1], self.head_dim)
         if k.shape != want or v.shape != want:
             raise ValueError(f"keys {k.shape} and values {v.shape} must both be "
@@ -218,7 +238,7 @@ class KVStore:
         Args:
             seqs, layers, starts: [T] int: store (seqs[t], layers[t]) takes its token at store
                 index starts[t] (skipped if stored already; a gap is an error).
-            keys, values: [T, Hkv, D] float32/float16/bfloat16, finite.
+            keys, values: [T, Hkv, D] float32/float16/bfloat16, finite (uint16 for raw16).
 
         Returns:
             The number of new tokens stored. Everything is checked before anything is
@@ -228,8 +248,8 @@ class KVStore:
         s = _dtypes.as_ids(seqs, "seqs", ndim=1)
         l = _dtypes.as_ids(layers, "layers", ndim=1)
         t = _dtypes.as_ids(starts, "starts", ndim=1)
-        k, kc = _dtypes.as_c_array(keys, "keys", ndim=3)
-        v, vc = _dtypes.as_c_array(values, "values", ndim=3)
+        k, kc = self._input(keys, "keys", ndim=3)
+        v, vc = self._input(values, "values", ndim=3)
         T = s.size
         want = (T, self.num_kv_heads, self.head_dim)
         if not (l.size == t.size == T and k.shape == want and v.shape == want):
@@ -288,7 +308,7 @@ class KVStore:
             page_ids: [P] int, page p covers tokens p*page_size .. (p+1)*page_size-1;
                 rows past the stored length are zero-filled.
             out_k, out_v: optional C-contiguous [P, page_size, D] arrays of the
-                storage dtype (uint16 for bfloat16; e.g. pinned buffers).
+                storage dtype (uint16 for bfloat16 and raw16; e.g. pinned buffers).
 
         Returns:
             (out_k, out_v).
@@ -364,7 +384,7 @@ class KVStore:
             kv_heads: int array, the KV head of each row (broadcast against ids).
             ids: int array [...], store indices; -1 = none (the row is zero-filled).
             out_k, out_v: optional C-contiguous [*ids.shape, D] arrays of the storage
-                dtype (uint16 for bfloat16), e.g. a slice of a larger step buffer.
+                dtype (uint16 for bfloat16 and raw16), e.g. a slice of a larger step buffer.
 
         Returns:
             (out_k, out_v) [*ids.shape, D] in the storage dtype.

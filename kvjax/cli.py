@@ -27,6 +27,7 @@ POLICY_FLAGS = {
     "lag": "lag",
     "transfer": "transfer",
     "page_summary": "page_summary",
+    "host_codec": "host_codec",
 }
 
 
@@ -62,6 +63,9 @@ def define_flags() -> None:
                     "per_step bridge: copy each step's host update to the device from page-locked or pageable memory.")
   flags.DEFINE_enum("page_summary", None, ["minmax", "keys2", "keys4"],
                     "freekv: page scores from per-page key min/max (FreeKV) or from every key at 2 / 4 bits.")
+  flags.DEFINE_enum("host_codec", None, ["none", "int8"],
+                    "freekv: host K/V in the model's dtype, or int8 with a scale per token and head (0.52x the "
+                    "bytes at head_dim 128; encoded and decoded on the device).")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

@@ -176,7 +176,7 @@ class FreeKVRuntime:
     B, H, R = fetch_ids.shape
     store = self.context.store
     shape = (B, H, R, self.page_size, store.head_dim)
-    dtype = np.uint16 if store.dtype == "bfloat16" else np.dtype(store.dtype)  # bf16 as its bits
+    dtype = store.buffers(0, 0)[0].dtype  # the storage dtype: bfloat16 and raw16 as uint16 bits
     pages_k, pages_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
     for b in range(B):
       want = fetch_ids[b] >= 0  # [H, R]

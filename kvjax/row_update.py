@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import kv_codec
+
 TRANSFERS = ("pageable", "pinned")
 
 
@@ -140,17 +142,20 @@ class TransferTimer:
     return out
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2), static_argnames=("codec",))
 def scatter_rows(
     buf_k,  # [..., slots, *row]: e.g. [L, B, Hq, slots, D] or [L, B, Hkv, slots, P, D]
     buf_v,  # same shape
     buf_ids,  # [..., slots] int32
-    packed,  # [n * (8 + 2 * width * itemsize)] uint8 (RowUpdate layout), width = prod(row)
+    packed,  # [n * (8 + 2 * width * itemsize)] uint8 (RowUpdate layout), width = prod(wire row)
+    codec: str = "none",  # how the rows travel (kvjax.kv_codec); decoded here to buf_k's dtype
 ):
-  """Unpacks (bitcasts) a RowUpdate on the device and scatters it in place; one compile per
-  padded update size (a short ladder, `padded_size`)."""
+  """Unpacks (bitcasts) a RowUpdate on the device, decodes its rows and scatters them in
+  place; one compile per padded update size (a short ladder, `padded_size`)."""
   row = buf_k.shape[buf_ids.ndim:]
-  width, itemsize = math.prod(row), jnp.dtype(buf_k.dtype).itemsize
+  wire_row = row[:-1] + (kv_codec.host_width(codec, row[-1]),)
+  wire = kv_codec.wire_dtype(codec, buf_k.dtype)
+  width, itemsize = math.prod(wire_row), wire.itemsize
   n = packed.shape[0] // (8 + 2 * width * itemsize)
 
   def part(start, count, dtype, size):  # bytes -> [count, size] of dtype
@@ -159,8 +164,8 @@ def scatter_rows(
 
   dest = part(0, n, jnp.int32, 1)[:, 0]  # distinct; out of range = padding, dropped
   ids = part(4 * n, n, jnp.int32, 1)[:, 0]
-  rows_k = part(8 * n, n, buf_k.dtype, width).reshape(n, *row)
-  rows_v = part(8 * n + n * width * itemsize, n, buf_k.dtype, width).reshape(n, *row)
+  rows = lambda start: kv_codec.decode(part(start, n, wire, width).reshape(n, *wire_row), codec, buf_k.dtype)
+  rows_k, rows_v = rows(8 * n), rows(8 * n + n * width * itemsize)
   put = lambda buf, new: buf.reshape(-1, *new.shape[1:]).at[dest].set(
       new, mode="drop", unique_indices=True).reshape(buf.shape)
   return put(buf_k, rows_k), put(buf_v, rows_v), put(buf_ids, ids)

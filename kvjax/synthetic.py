@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import kv_codec
 from kvjax.generate import CAPACITY_MULTIPLE, PrefilledContext, check_context, prefill
 from kvjax.policies import make_policy
 from kvjax.policies.base import HostBackedMixin
@@ -280,8 +281,9 @@ def host_kv_bytes(policy, cfg: ModelConfig, lengths: Sequence[int]) -> int:
     return 0
   dense = set(policy.dense_layer_ids(cfg)) if hasattr(policy, "dense_layer_ids") else set()
   sparse_layers = cfg.num_layers - len(dense)
-  per_token = 2 * sparse_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-  return int(per_token * sum(lengths))
+  codec = getattr(policy, "host_codec", "none")
+  row_bytes = kv_codec.host_width(codec, cfg.head_dim) * kv_codec.wire_dtype(codec, cfg.dtype).itemsize
+  return int(2 * sparse_layers * cfg.num_kv_heads * row_bytes * sum(lengths))
 
 
 def synthetic_prefill(

@@ -16,6 +16,7 @@ CASES = [
     ("freekv", dict(budget=24, page_size=4, dense_layers=(), **SMALL)),
     ("freekv", dict(budget=24, page_size=4, dense_layers=(), bridge="per_step", **SMALL)),
     ("freekv", dict(budget=24, page_size=4, dense_layers=(), bridge="per_step", lag=2, **SMALL)),
+    ("freekv", dict(budget=24, page_size=4, dense_layers=(), bridge="per_step", host_codec="int8", **SMALL)),
 ]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import engine, freekv_host, host_runtime, row_update
+from kvjax import engine, freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import FreeKVAttention, make_policy
 from kvjax.policies import freekv as freekv_policy
 from kvjax.policies.freekv import page_scores, plan_recall, top_pages
@@ -236,6 +236,8 @@ def exchange_log(monkeypatch):
       heads, slots = np.nonzero(pool_ids[l, b] >= 0)
       if heads.size:
         k, v = store.fetch_pages(b, l, heads, pool_ids[l, b, heads, slots])
+        if self.host_codec != "none":  # the store holds encoded rows; the pool their decoding
+          k, v = kv_codec.decode_np(k), kv_codec.decode_np(v)
         same &= np.array_equal(k, pool_k[l, b, heads, slots]) and np.array_equal(v, pool_v[l, b, heads, slots])
     i = len(log.landed)  # landings follow gathers in order
     log.landed.append((pool_ids, log._selections[i], log.fetches[i], same))

@@ -144,6 +144,9 @@ def test_host_memory_is_checked_before_filling(model, stats, monkeypatch):
   needed = synthetic.host_kv_bytes(kvjax.make_policy("retrieval", **options), model.cfg, [1000, 700])
   assert needed == 2 * model.cfg.num_layers * model.cfg.num_kv_heads * model.cfg.head_dim * 4 * 1700
   assert synthetic.host_kv_bytes(kvjax.make_policy("full"), model.cfg, [1000]) == 0
+  int8 = kvjax.make_policy("freekv", host_codec="int8", dense_layers=())
+  assert synthetic.host_kv_bytes(int8, model.cfg, [1000, 700]) == needed * (model.cfg.head_dim + 4) // (
+      4 * model.cfg.head_dim)  # int8 rows and a float32 scale against float32 rows
   monkeypatch.setattr(synthetic, "_available_host_bytes", lambda: needed)
   with pytest.raises(ValueError, match="more than 90% of the"):
     synthetic.synthetic_prefill(model, stats, [1000, 700], policy="retrieval", policy_options=options)

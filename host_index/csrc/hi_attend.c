@@ -62,6 +62,7 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
   const int G = Hq / Hkv;
   const int dim = keys[0].dim;
   const int64_t T = (int64_t)B * Hq;
+  if (keys[0].dtype == HI_RAW16 || vals[0].dtype == HI_RAW16) return HI_EDTYPE;
   int err = HI_OK;
 #pragma omp parallel num_threads(hi_team(threads, T, T * HI_MIN_WORK))
   {
@@ -135,6 +136,7 @@ int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, i
   const int dim = keys[0].dim;
   const int64_t T = (int64_t)B * Hq;
   if (n < 0 || n > INT32_MAX) return HI_EINVAL;
+  if (keys[0].dtype == HI_RAW16 || vals[0].dtype == HI_RAW16) return HI_EDTYPE;
   int err = HI_OK;
   /* A task is ~2 n dim flops: small layers run on the calling thread. */
 #pragma omp parallel num_threads(hi_team(threads, T, T * n * dim * 2))

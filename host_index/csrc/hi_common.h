@@ -12,8 +12,11 @@
 #include <string.h>
 
 /* Storage / input element types. The numeric values are part of the Python
- * wrapper's contract (host_index/_dtypes.py). */
-enum hi_dtype { HI_F32 = 0, HI_F16 = 1, HI_BF16 = 2 };
+ * wrapper's contract (host_index/_dtypes.py). HI_RAW16 is a caller's encoded
+ * rows as opaque 16-bit words: only ever copied (to raw16, or gathered), since
+ * every routine that reads a number (hi_load, the distance and attention
+ * kernels) would misread them, or read 4 bytes per 2-byte element. */
+enum hi_dtype { HI_F32 = 0, HI_F16 = 1, HI_BF16 = 2, HI_RAW16 = 3 };
 
 enum hi_err {
   HI_OK = 0,
@@ -22,6 +25,7 @@ enum hi_err {
   HI_ECONCUR = -3,    /* index larger than the key buffer it was handed:
                          the store was modified concurrently */
   HI_ENONFINITE = -4, /* NaN or inf in a vector */
+  HI_EDTYPE = -5,     /* raw16 bits handed to a routine that reads numbers */
 };
 
 /* Index kinds; values shared with host_index/_index.py. */

@@ -133,6 +133,7 @@ size_t hi_index_nbytes(const hi_index_t *ix) {
 int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,
                    int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
                    int threads) {
+  if (keys->dtype == HI_RAW16) return HI_EDTYPE;
   if (n < 0 || n > keys->nrows || n > INT32_MAX - 1) return HI_EINVAL;
   memset(&ix->stats, 0, sizeof ix->stats);
   ix->n = 0;
@@ -152,6 +153,7 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
 int hi_index_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries, int threads) {
   (void)threads;
+  if (keys->dtype == HI_RAW16) return HI_EDTYPE;
   if (n_total < ix->n || n_total > keys->nrows || n_total > INT32_MAX - 1) return HI_EINVAL;
   if (n_total == ix->n) return HI_OK;
   int64_t cap = ix->cap;
@@ -171,6 +173,7 @@ int hi_index_search(const hi_index_t *ix, const hi_keys_t *keys, const float *q,
                     int ef, int64_t *ids, float *scores, int64_t *scanned, hi_ws_t *ws) {
   int64_t ntop = 0;
   *scanned = 0;
+  if (keys->dtype == HI_RAW16) return HI_EDTYPE;
   int err = HI_OK;
   /* keys->nrows is the store's length when the caller took its buffers: a
    * search sees the index as of that snapshot, ignoring nodes inserted since

@@ -186,6 +186,8 @@ HI_TARGET static void HI_FN(convert)(const void *src, int sdt, void *dst, int dd
 }
 
 HI_TARGET static int64_t HI_FN(count_bad)(const void *src, int sdt, int ddt, int64_t n) {
+  /* raw16 bits are never numbers: none is bad copied as is, all are if asked to convert. */
+  if (sdt == HI_RAW16 || ddt == HI_RAW16) return sdt == ddt ? 0 : n;
   int64_t bad = 0;
   for (int64_t i = 0; i < n; i++) {
     const float v = hi_load(src, sdt, i);

@@ -14,6 +14,9 @@
 #include "hi_index.h"
 #include "hi_kernels.h"
 
+#define RAW16_REFUSED \
+  "dtype raw16 holds opaque 16-bit words: no search, attention or conversion reads it"
+
 static int raise_err(int err) {
   switch (err) {
     case HI_OK: return 0;
@@ -24,6 +27,7 @@ static int raise_err(int err) {
                       "was modified while this call ran; lock appends against searches");
       break;
     case HI_ENONFINITE: PyErr_SetString(PyExc_ValueError, "non-finite value"); break;
+    case HI_EDTYPE: PyErr_SetString(PyExc_ValueError, RAW16_REFUSED); break;
     default: PyErr_SetString(PyExc_ValueError, "invalid argument to host_index C core"); break;
   }
   return -1;
@@ -41,9 +45,24 @@ static int get_buf(PyObject *o, Py_buffer *b, int writable, Py_ssize_t need, con
   return 0;
 }
 
+/* The dtypes of a routine that reads values as numbers: not raw16. */
 static int check_dtype(int dtype) {
   if (dtype == HI_F32 || dtype == HI_F16 || dtype == HI_BF16) return 0;
-  PyErr_Format(PyExc_ValueError, "unknown dtype code %d", dtype);
+  if (dtype == HI_RAW16)
+    PyErr_SetString(PyExc_ValueError, RAW16_REFUSED);
+  else
+    PyErr_Format(PyExc_ValueError, "unknown dtype code %d", dtype);
+  return -1;
+}
+
+/* The dtypes of a copy (gather; convert and count_bad of equal dtypes): raw16 too. */
+static int check_copy_dtype(int dtype) { return dtype == HI_RAW16 ? 0 : check_dtype(dtype); }
+
+/* convert / count_bad pairs: raw16 goes only to raw16, as a plain copy. */
+static int check_dtype_pair(int sdt, int ddt) {
+  if (check_copy_dtype(sdt) < 0 || check_copy_dtype(ddt) < 0) return -1;
+  if ((sdt == HI_RAW16) == (ddt == HI_RAW16)) return 0;
+  PyErr_SetString(PyExc_ValueError, RAW16_REFUSED);
   return -1;
 }
 
@@ -744,7 +763,7 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
   Py_ssize_t soff, sst, doff, dst, nbk, blk;
   if (!PyArg_ParseTuple(args, "OinnOinnnni", &so, &sdt, &soff, &sst, &dobj, &ddt, &doff, &dst,
                         &nbk, &blk, &threads) ||
-      check_dtype(sdt) < 0 || check_dtype(ddt) < 0)
+      check_dtype_pair(sdt, ddt) < 0)
     return NULL;
   if (soff < 0 || sst < 0 || doff < 0 || dst < 0 || nbk < 0 || blk < 0) {
     PyErr_SetString(PyExc_ValueError, "convert: negative offset");
@@ -774,8 +793,7 @@ static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
   PyObject *so;
   int sdt, ddt;
   Py_ssize_t n;
-  if (!PyArg_ParseTuple(args, "Oiin", &so, &sdt, &ddt, &n) || check_dtype(sdt) < 0 ||
-      check_dtype(ddt) < 0)
+  if (!PyArg_ParseTuple(args, "Oiin", &so, &sdt, &ddt, &n) || check_dtype_pair(sdt, ddt) < 0)
     return NULL;
   if (n < 0) {
     PyErr_SetString(PyExc_ValueError, "negative n");
@@ -809,7 +827,7 @@ static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
   Py_ssize_t P;
   if (!PyArg_ParseTuple(args, "OOiiiiOOOOOnOOi", &kso, &vso, &dtype, &Hkv, &dim, &page, &co, &lo,
                         &go, &ho, &po, &P, &oko, &ovo, &threads) ||
-      check_dtype(dtype) < 0)
+      check_copy_dtype(dtype) < 0)
     return NULL;
   PyObject *ks = PySequence_Fast(kso, "gather_pages_multi: ks must be a sequence");
   PyObject *vs = ks ? PySequence_Fast(vso, "gather_pages_multi: vs must be a sequence") : NULL;

@@ -112,7 +112,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import freekv_host, row_update
+from kvjax import freekv_host, kv_codec, row_update
 from kvjax.policies import page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
@@ -479,6 +479,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       (FreeKV's per-channel max and min keys; 1/32 of the page's K+V) or "keys2" / "keys4"
       (every key at 2 / 4 bits per channel; 1/16 / 1/8), which keeps the pages a retrieval
       head attends where the min/max bound drops them.
+    host_codec: how K/V rows are kept on the host (kvjax.kv_codec): "none" (the model's dtype)
+      or "int8" (per token and KV head, with a float32 scale: 0.52x the bytes of bfloat16 at
+      head_dim 128 in the host store and on every copy between device and host; encoded and
+      decoded on the device). The attended pages are then approximations of the keys and
+      values, within max|row| / 254 per element.
     implementation: device kernels, "auto" | "pallas" | "xla".
   """
 
@@ -496,6 +501,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   transfer: str = "pageable"
   sync_transfer: bool = False
   page_summary: str = "minmax"
+  host_codec: str = "none"
   name: str = "freekv"
   decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer")
   takes_written_prompt = True
@@ -543,6 +549,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.page_summary not in page_summary.SUMMARIES:
       raise ValueError(f"page_summary={self.page_summary!r}; expected one of {page_summary.SUMMARIES}")
+    if self.host_codec not in kv_codec.CODECS:
+      raise ValueError(f"host_codec={self.host_codec!r}; expected one of {kv_codec.CODECS}")
 
   @property
   def n_sel(self) -> int:
@@ -581,8 +589,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                ", one host exchange per step overlapping the next step (pages attended two steps after selection)")
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     scores = "" if self.page_summary == "minmax" else f", pages scored by {self.key_bits}-bit keys"
+    codec = "" if self.host_codec == "none" else f", host K/V as {self.host_codec}"
     return (f"freekv(budget={self.budget} tokens = sinks {self.sinks} + window {self.window} + {self.n_sel} "
-            f"pages of {self.page_size}{scores}, {spec}, max_recall {self.recall}{dense})")
+            f"pages of {self.page_size}{scores}, {spec}, max_recall {self.recall}{dense}{codec})")
 
   @property
   def key_bits(self) -> int:
@@ -615,6 +624,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     code = page_summary.quantize(ev_k, lo, step, self.key_bits)
     return dict(kcodes=state.kcodes.at[at + (offset,)].set(code, mode="drop"))
 
+  def _encode(self, x):
+    """K or V rows [..., D] as the host keeps them (kvjax.kv_codec), encoded on the device."""
+    return kv_codec.encode(x, self.host_codec)
+
   # -- layout ----------------------------------------------------------------------------
 
   def _paged_impl(self) -> str:
@@ -630,7 +643,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     cached = len(self.dense_layer_ids(cfg)) + 1 if staged else L  # layers in the dense prefill cache
     S, W, P, n = self.sinks, self.window, self.page_size, self.n_sel
     num_pages = max(1, -(-(capacity - S) // P))
-    context = host_index.HostContext(batch, L, Hq, H, D, dtype=jnp.dtype(dtype).name, kind="flat", page_size=P)
+    kv_codec.check(self.host_codec, D)
+    W, wire = kv_codec.host_width(self.host_codec, D), kv_codec.wire_dtype(self.host_codec, dtype)
+    context = host_index.HostContext(batch, L, Hq, H, W, dtype=kv_codec.host_dtype(self.host_codec, dtype),
+                                     kind="flat", page_size=P)
     runtime = self.new_runtime(cfg, context)
     ring = (L, batch, H, S + self.ring_len, D)
     bits = self.key_bits
@@ -655,7 +671,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                            v=jnp.zeros((cached, batch, H, capacity, D), dtype)),
         prompt_lengths=jnp.zeros((batch,), jnp.int32),
         runtime_id=jnp.int32(runtime.id), status=jnp.int32(0),
-        step_evicted_k=jnp.zeros((L, batch, H, D), dtype), step_evicted_v=jnp.zeros((L, batch, H, D), dtype),
+        step_evicted_k=jnp.zeros((L, batch, H, W), wire), step_evicted_v=jnp.zeros((L, batch, H, W), wire),
         step_evicted_pos=jnp.full((L, batch), -1, jnp.int32),
         step_fetch=jnp.full((L, batch, H, self.recall), -1, jnp.int32),
         step_slots=jnp.full((L, batch, H, self.recall), n, jnp.int32),
@@ -710,7 +726,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     host_len = np.maximum(lengths.astype(np.int64) - W - S, 0)
     for b, n in enumerate(host_len):
       if n:
-        context.append(b, layer, 0, np.asarray(k[b, :, S:S + n]), np.asarray(v[b, :, S:S + n]))
+        context.append(b, layer, 0, np.asarray(self._encode(k[b, :, S:S + n])),
+                       np.asarray(self._encode(v[b, :, S:S + n])))
     host_len = jnp.asarray(host_len, jnp.int32)
     if self.key_bits:
       codes, lo, step = _prompt_codes(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state),
@@ -814,7 +831,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def _land(self, state: FreeKVState, packed) -> FreeKVState:
     """Scatters a packed update into the pool in place."""
-    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed)
+    pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed,
+                                                       codec=self.host_codec)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     pool_slots, pool_counts = _occupied_slots(pool_ids)
@@ -896,7 +914,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         # Swapped: prev_q takes this step's queries; step_q's stale ones are rewritten next step.
         prev_q=state.step_q, step_q=state.prev_q,
         selection=keep(selection, state.selection), promised_ids=keep(promised, state.promised_ids),
-        step_evicted_k=ev_k, step_evicted_v=ev_v, step_evicted_pos=jnp.where(stored, ev_pos[None, :], -1),
+        step_evicted_k=self._encode(ev_k), step_evicted_v=self._encode(ev_v),
+        step_evicted_pos=jnp.where(stored, ev_pos[None, :], -1),
         step_fetch=keep(fetch, state.step_fetch), step_slots=keep(fetch_slots, state.step_slots),
         step_counters=keep(counters, state.step_counters))
 
@@ -1002,11 +1021,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, jnp.broadcast_to(hits, (B, H)), missed],
                          axis=-1).astype(jnp.int32)
     dtype = state.pool_k.dtype
-    out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, D), dtype)
-    callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(dtype))
+    wire = kv_codec.wire_dtype(self.host_codec, dtype)
+    out = jax.ShapeDtypeStruct((B, H, fetch.shape[-1], P, kv_codec.host_width(self.host_codec, D)), wire)
+    callback = functools.partial(freekv_host.recall_callback, page_size=P, out_dtype=np.dtype(wire))
     pages_k, pages_v, status = jax.pure_callback(
-        callback, (out, out, jax.ShapeDtypeStruct((), jnp.int32)), state.runtime_id, layer, ev_k, ev_v,
-        evicted_pos, fetch, counters, vmap_method="sequential")
+        callback, (out, out, jax.ShapeDtypeStruct((), jnp.int32)), state.runtime_id, layer, self._encode(ev_k),
+        self._encode(ev_v), evicted_pos, fetch, counters, vmap_method="sequential")
+    pages_k, pages_v = (kv_codec.decode(x, self.host_codec, dtype) for x in (pages_k, pages_v))
     recalled = ops.paged_partial_attention(
         q0, pages_k[:, :, :R], pages_v[:, :, :R], jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (B, H, R)),
         recalled_count, scale=cfg.attn_scale, implementation=self._paged_impl())
