@@ -2,7 +2,7 @@
 
 "int8" (symmetric, per token and KV head): a row x [D] is stored as q = round(x / s) in
 [-127, 127] with s = max|x| / 127, the D int8 values and the float32 s packed into
-D/2 + 2 uint16 words (2D + 4 bytes instead of 2D for bfloat16: 0.52x at D = 128). The
+D/2 + 2 uint16 words (D + 4 bytes against bfloat16's 2D: 0.52x at D = 128). The
 encoding runs on the device before rows leave it, so the device->host copies of prefill and
 eviction, the host store and the recalls back to the device all move the encoded bytes; rows
 are decoded on the device when they land. The host never reads them as numbers (its store

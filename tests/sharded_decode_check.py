@@ -68,10 +68,11 @@ CASES = {
         budget=12, page_size=2, sinks=2, window=4, dense_layers=(), speculative=True, tau=0.5))),
     # per_step: the step's bookkeeping runs once per device after its last layer (after_layers,
     # inside shard_map), the exchange between steps per device on a background thread (lag 2);
-    # pages scored from key codes, one layer at a time (the min/max summary is the case above).
-    "freekv_per_step_lag2_keys2": (dict(), dict(policy="freekv", policy_options=dict(
+    # pages scored from key codes, one layer at a time (the min/max summary is the case above);
+    # host K/V as int8, encoded and decoded per device.
+    "freekv_per_step_lag2_keys2_int8": (dict(), dict(policy="freekv", policy_options=dict(
         budget=12, page_size=2, sinks=2, window=4, dense_layers=(0,), bridge="per_step", lag=2,
-        page_summary="keys2"))),
+        page_summary="keys2", host_codec="int8"))),
     "streaming": (dict(), dict(policy="streaming", policy_options=dict(sinks=4, window=8))),
     "quest": (dict(), dict(policy="quest", policy_options=dict(budget=16, page_size=4, sinks=4, window=4))),
 }
