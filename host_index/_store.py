@@ -69,7 +69,12 @@ class KVStore:
 
     @property
     def itemsize(self) -> int:
-        return 4 if self.code == _dtypes.F32 else 2
+        return self.storage_dtype.itemsize
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The NumPy dtype rows are held and returned in (bfloat16 and raw16 as uint16)."""
+        return _dtypes.STORAGE[self.code]
 
     @property
     def nbytes(self) -> int:

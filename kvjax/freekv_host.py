@@ -176,8 +176,7 @@ class FreeKVRuntime:
     B, H, R = fetch_ids.shape
     store = self.context.store
     shape = (B, H, R, self.page_size, store.head_dim)
-    dtype = store.buffers(0, 0)[0].dtype  # the storage dtype: bfloat16 and raw16 as uint16 bits
-    pages_k, pages_v = np.zeros(shape, dtype), np.zeros(shape, dtype)
+    pages_k, pages_v = np.zeros(shape, store.storage_dtype), np.zeros(shape, store.storage_dtype)
     for b in range(B):
       want = fetch_ids[b] >= 0  # [H, R]
       if not want.any():
@@ -218,7 +217,7 @@ class FreeKVRuntime:
     want = fetch >= 0
     layer_of, seq_of, head_of, _ = np.nonzero(want)  # C order: grouped by (layer, seq)
     pages = fetch[want]
-    update = row_update.new_update(self.buffers, pages.size, fetch.size, P * D, store.buffers(0, 0)[0].dtype)
+    update = row_update.new_update(self.buffers, pages.size, fetch.size, P * D, store.storage_dtype)
     # One C call over every (layer, seq) store: a call per store cost ~0.1 ms each.
     groups, group_of = np.unique(layer_of * B + seq_of, return_inverse=True)
     self.context.fetch_pages_many([(int(g) % B, int(g) // B) for g in groups], group_of, head_of, pages,

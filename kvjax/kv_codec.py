@@ -27,11 +27,11 @@ RAW_DTYPE = "raw16"  # host_index's opaque 16-bit storage
 _INV_127 = np.float32(1.0 / 127.0)
 
 
-def check(codec: str, head_dim: int) -> None:
-  """Raises ValueError for an unknown codec or a head_dim it cannot pack."""
+def check(codec: str, head_dim: int | None = None) -> None:
+  """Raises ValueError for an unknown codec or (when given) a head_dim it cannot pack."""
   if codec not in CODECS:
     raise ValueError(f"host_codec={codec!r}; expected one of {CODECS}")
-  if codec == "int8" and head_dim % 2:
+  if codec == "int8" and head_dim is not None and head_dim % 2:
     raise ValueError(f"host_codec='int8' packs two int8 values a word: head_dim {head_dim} is odd")
 
 

@@ -190,7 +190,7 @@ class PrefetchRuntime(HostRuntime):
     self.slot_ids = self.slot_ids.copy()  # earlier selections (kept for hit rates) stay as they were
     self.slot_ids.reshape(-1)[dest] = ids
     store = self.context.store
-    dtype, D = store.buffers(0, 0)[0].dtype, self.context.head_dim
+    dtype, D = store.storage_dtype, self.context.head_dim
     update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
     stores, store_of, heads = slot_stores(dest, B, Hq, S, self.context.group)
     store.gather_rows_many(stores, store_of, heads, ids, out_k=update.k[:dest.size], out_v=update.v[:dest.size],

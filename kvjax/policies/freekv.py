@@ -549,8 +549,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.page_summary not in page_summary.SUMMARIES:
       raise ValueError(f"page_summary={self.page_summary!r}; expected one of {page_summary.SUMMARIES}")
-    if self.host_codec not in kv_codec.CODECS:
-      raise ValueError(f"host_codec={self.host_codec!r}; expected one of {kv_codec.CODECS}")
+    kv_codec.check(self.host_codec)
 
   @property
   def n_sel(self) -> int:
@@ -724,10 +723,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state  # its summaries stay zero
     context = self.runtime(state).context
     host_len = np.maximum(lengths.astype(np.int64) - W - S, 0)
+    # Encoded once for the layer (one shape: ragged prompts compile nothing more), sliced per sequence.
+    host_k, host_v = self._encode(k), self._encode(v)
     for b, n in enumerate(host_len):
       if n:
-        context.append(b, layer, 0, np.asarray(self._encode(k[b, :, S:S + n])),
-                       np.asarray(self._encode(v[b, :, S:S + n])))
+        context.append(b, layer, 0, np.asarray(host_k[b, :, S:S + n]), np.asarray(host_v[b, :, S:S + n]))
     host_len = jnp.asarray(host_len, jnp.int32)
     if self.key_bits:
       codes, lo, step = _prompt_codes(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state),
