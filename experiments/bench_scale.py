@@ -47,6 +47,8 @@ POLICIES = {
     "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
     "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),
     "freekv_step_lag2_int8": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8"}),
+    "freekv_step_lag2_int8_pinned": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8",
+                                                "transfer": "pinned"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name (its KV heads must be divisible by --devices).")

@@ -56,6 +56,9 @@ class FreeKVStats:
     transfer_seconds: per_step: of that, copying the updates to the device.
     slowest_exchange_ms, slowest_wait_ms: per_step: the longest exchange, and (lag 2) the
       longest wait for one: a mean over the steps hides a few slow ones.
+    rows_seconds, land_seconds: per_step, the decode loop's own part of `after_step`: reading
+      the step's outputs for the host (`jax.device_get`) and landing the previous update
+      (dispatching the scatter and the slot listing).
   """
 
   callbacks: int = 0
@@ -79,6 +82,8 @@ class FreeKVStats:
   transfer_seconds: float = 0.0
   slowest_exchange_ms: float = 0.0
   slowest_wait_ms: float = 0.0
+  rows_seconds: float = 0.0
+  land_seconds: float = 0.0
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -422,6 +422,7 @@ def select_and_plan(
 
 
 @jax.jit
+@jax.jit  # one dispatch between steps instead of one per op
 def _occupied_slots(
     pool_ids,  # [L, B, Hkv, n] int32, -1 = empty
 ):
@@ -792,10 +793,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge != "per_step":
       return state
     runtime = self.runtime(state)
+    t0 = time.perf_counter()
     rows = self._step_rows(state)  # read now: the next step donates these buffers
+    runtime.stats.rows_seconds += time.perf_counter() - t0
     device = next(iter(state.pool_k.devices()))
     if self.lag == 1:
-      return self._land(state, self._gather(runtime, rows, device))
+      return self._land(state, self._gather(runtime, rows, device), runtime.stats)
     # lag 2: land the previous step's exchange, then run this one's on the host thread while the
     # next step runs (it attends the pool as landed here).
     if runtime.pending is None:
@@ -805,7 +808,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     waited = time.perf_counter() - t0
     runtime.stats.exchange_wait_seconds += waited
     runtime.stats.slowest_wait_ms = max(runtime.stats.slowest_wait_ms, 1e3 * waited)
-    state = self._land(state, packed)
+    state = self._land(state, packed, runtime.stats)
     runtime.pending = runtime.worker().submit(self._gather, runtime, rows, device)
     return state
 
@@ -829,13 +832,16 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.stats.slowest_exchange_ms = max(runtime.stats.slowest_exchange_ms, 1e3 * seconds)
     return packed
 
-  def _land(self, state: FreeKVState, packed) -> FreeKVState:
-    """Scatters a packed update into the pool in place."""
+  def _land(self, state: FreeKVState, packed, stats: freekv_host.FreeKVStats | None = None) -> FreeKVState:
+    """Scatters a packed update into the pool in place (timed into `stats.land_seconds`)."""
+    t0 = time.perf_counter()
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed,
                                                        codec=self.host_codec)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     pool_slots, pool_counts = _occupied_slots(pool_ids)
+    if stats is not None:
+      stats.land_seconds += time.perf_counter() - t0
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids, pool_slots=pool_slots,
                          pool_counts=pool_counts)
 
