@@ -20,6 +20,7 @@ import concurrent.futures
 import dataclasses
 import time
 import traceback
+from typing import Any, Callable
 
 import numpy as np
 
@@ -56,6 +57,8 @@ class FreeKVStats:
     transfer_seconds: per_step: of that, copying the updates to the device.
     slowest_exchange_ms, slowest_wait_ms: per_step: the longest exchange, and (lag 2) the
       longest wait for one: a mean over the steps hides a few slow ones.
+    completed_pages: per_step: fetched pages whose last token was written from the step's
+      evicted rows (the store appends it after the fetch).
     rows_seconds, land_seconds: per_step, the decode loop's own part of `after_step`: reading
       the step's outputs for the host (`jax.device_get`) and landing the previous update
       (dispatching the scatter and the slot listing).
@@ -82,6 +85,7 @@ class FreeKVStats:
   transfer_seconds: float = 0.0
   slowest_exchange_ms: float = 0.0
   slowest_wait_ms: float = 0.0
+  completed_pages: int = 0
   rows_seconds: float = 0.0
   land_seconds: float = 0.0
 
@@ -209,13 +213,18 @@ class FreeKVRuntime:
       counters,  # [L, B, Hkv, 5] int: the step's per-head counters (see decode_layer)
       *,
       pool_slots: int,
-  ) -> row_update.RowUpdate:
-    """per_step, between steps: appends every layer's evicted token, then gathers the pages
-    asked for into one RowUpdate of the flattened [L, B, Hkv, pool_slots] pool (a row: one
-    page, [page_size * D])."""
+      send: Callable[[row_update.RowUpdate], Any] = lambda update: update,
+  ):
+    """per_step, between steps: gathers the pages asked for into one RowUpdate of the flattened
+    [L, B, Hkv, pool_slots] pool (a row: one page, [page_size * D]), hands it to `send` (which
+    starts its copy to the device), then appends every layer's evicted token to the store;
+    returns what `send` returned.
+
+    The store work comes after `send` so the copy, the longest part, starts sooner. A page
+    the step's eviction completes may be asked for already: its last token is not stored
+    yet, so it is written into the update from the evicted rows.
+    """
     t0 = time.perf_counter()
-    self._insert(evicted_k, evicted_v, evicted_pos)
-    t1 = time.perf_counter()
     L, B, H, _ = fetch.shape
     store = self.context.store
     P, D = self.page_size, store.head_dim
@@ -223,20 +232,48 @@ class FreeKVRuntime:
     layer_of, seq_of, head_of, _ = np.nonzero(want)  # C order: grouped by (layer, seq)
     pages = fetch[want]
     update = row_update.new_update(self.buffers, pages.size, fetch.size, P * D, store.storage_dtype)
+    out_k, out_v = (rows[:pages.size].reshape(-1, P, D) for rows in (update.k, update.v))
     # One C call over every (layer, seq) store: a call per store cost ~0.1 ms each.
     groups, group_of = np.unique(layer_of * B + seq_of, return_inverse=True)
     self.context.fetch_pages_many([(int(g) % B, int(g) // B) for g in groups], group_of, head_of, pages,
-                                  out_k=update.k[:pages.size].reshape(-1, P, D),
-                                  out_v=update.v[:pages.size].reshape(-1, P, D))
+                                  out_k=out_k, out_v=out_v)
+    self._complete_pages(out_k, out_v, layer_of, seq_of, head_of, pages, evicted_k, evicted_v, evicted_pos)
     update.dest[:pages.size] = ((layer_of * B + seq_of) * H + head_of) * pool_slots + slots[want]
     update.ids[:pages.size] = pages
     update.pad(L * B * H * pool_slots)
     self.stats.spec_pages += int(pages.size)
-    self.stats.insert_seconds += t1 - t0
-    self.stats.fetch_seconds += time.perf_counter() - t1
+    t1 = time.perf_counter()
+    self.stats.fetch_seconds += t1 - t0
+    sent = send(update)
+    t2 = time.perf_counter()
+    self._insert(evicted_k, evicted_v, evicted_pos)
+    self.stats.insert_seconds += time.perf_counter() - t2
     self._count(counters)
     self.stats.exchanges += 1
-    return update
+    return sent
+
+  def _complete_pages(
+      self,
+      out_k,  # [n, P, D] fetched pages (storage dtype), rows past the stored length zero
+      out_v,  # [n, P, D]
+      layer_of, seq_of, head_of, pages,  # [n] int each: where page i comes from
+      evicted_k,  # [L, B, Hkv, D]
+      evicted_v,  # [L, B, Hkv, D]
+      evicted_pos,  # [L, B] int, -1 = none
+  ) -> None:
+    """Writes each (layer, seq)'s evicted token into the fetched pages it belongs to: the
+    token is appended to the store only after the fetch."""
+    if not pages.size:
+      return
+    index = evicted_pos[layer_of, seq_of] - self.sinks  # [n] store index of that store's evicted token
+    hit = (evicted_pos[layer_of, seq_of] >= 0) & (index // self.page_size == pages)
+    if not hit.any():
+      return
+    i, row = np.flatnonzero(hit), index[hit] % self.page_size
+    at = (layer_of[i], seq_of[i], head_of[i])
+    out_k[i, row] = np.asarray(evicted_k)[at].view(out_k.dtype)
+    out_v[i, row] = np.asarray(evicted_v)[at].view(out_v.dtype)
+    self.stats.completed_pages += int(i.size)
 
 
 def recall_callback(runtime_id, layer, evicted_k, evicted_v, evicted_pos, fetch_ids, counters, *, page_size,

@@ -822,11 +822,12 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Host side of an exchange: stores the evicted tokens, gathers the pages the plan lacks
     and starts their copy to `device`; returns the packed update on the device."""
     t0 = time.perf_counter()
-    update = runtime.exchange(*rows, pool_slots=self.n_sel)
-    # Without sync_transfer the copy overlaps what follows. Reusing the packed host buffer stays
-    # safe: a buffer is packed again only after a step that ran after the scatter consuming
-    # this copy (lag 1: the next exchange; lag 2, two buffers: the one after it).
-    packed = row_update.TransferTimer(runtime.stats, device, self.transfer, wait=self.sync_transfer)(update)
+    # Without sync_transfer the copy overlaps what follows (the store's appends, then the
+    # caller's work). Reusing the packed host buffer stays safe: a buffer is packed again only
+    # after a step that ran after the scatter consuming this copy (lag 1: the next exchange;
+    # lag 2, two buffers: the one after it).
+    send = row_update.TransferTimer(runtime.stats, device, self.transfer, wait=self.sync_transfer)
+    packed = runtime.exchange(*rows, pool_slots=self.n_sel, send=send)
     seconds = time.perf_counter() - t0
     runtime.stats.exchange_seconds += seconds
     runtime.stats.slowest_exchange_ms = max(runtime.stats.slowest_exchange_ms, 1e3 * seconds)
