@@ -52,8 +52,8 @@ class FreeKVStats:
     inserted_tokens: tokens appended to the store during decode.
     insert_seconds, fetch_seconds: host wall time appending and copying pages.
     callback_seconds: wall time inside callbacks (per_layer).
-    exchange_seconds: per_step: wall time of the exchanges between steps (on the critical
-      path: reading the step's outputs, insert, fetch, transfer and the scatter's dispatch).
+    exchange_seconds: per_step: wall time of the exchanges between steps (fetch, the start of
+      the transfer, insert; lag 1 runs them on the critical path, lag 2 on a host thread).
     transfer_seconds: per_step: of that, copying the updates to the device.
     slowest_exchange_ms, slowest_wait_ms: per_step: the longest exchange, and (lag 2) the
       longest wait for one: a mean over the steps hides a few slow ones.

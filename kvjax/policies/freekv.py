@@ -422,7 +422,6 @@ def select_and_plan(
 
 
 @jax.jit
-@jax.jit  # one dispatch between steps instead of one per op
 def _occupied_slots(
     pool_ids,  # [L, B, Hkv, n] int32, -1 = empty
 ):
@@ -819,8 +818,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                            state.step_slots, state.step_counters))
 
   def _gather(self, runtime: freekv_host.FreeKVRuntime, rows: tuple, device):
-    """Host side of an exchange: stores the evicted tokens, gathers the pages the plan lacks
-    and starts their copy to `device`; returns the packed update on the device."""
+    """Host side of an exchange: gathers the pages the plan lacks, starts their copy to
+    `device`, then stores the evicted tokens; returns the packed update on the device."""
     t0 = time.perf_counter()
     # Without sync_transfer the copy overlaps what follows (the store's appends, then the
     # caller's work). Reusing the packed host buffer stays safe: a buffer is packed again only
