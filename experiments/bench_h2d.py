@@ -10,7 +10,7 @@ landed. Ways measured, each the median of --repeats copies, waited for:
   threads_N:       N slices, each device_put from its own thread.
   via_pinned:      device_put to the "pinned_host" memory kind, then to the device.
   pinned_dma:      only the second half of via_pinned (the buffer already page-locked).
-  registered:      the NumPy buffer page-locked in place (cuMemHostRegister), then device_put.
+  registered:      the NumPy buffer page-locked in place (kvjax.page_lock), then device_put.
   pinned_view:     a "pinned_host" jax.Array written through a NumPy view of its buffer
                    (unsafe_buffer_pointer), then device_put; `view_ok` says whether the device
                    copy held what was written.
@@ -27,6 +27,8 @@ import time
 import jax
 import numpy as np
 from absl import app, flags
+
+from kvjax import page_lock
 
 flags.DEFINE_list("sizes_mb", ["20", "40", "80", "160"], "Buffer sizes in MiB.")
 flags.DEFINE_integer("repeats", 10, "Copies per way and size (median reported).")
@@ -53,34 +55,6 @@ def _page_aligned(nbytes: int) -> np.ndarray:
   return raw[start:start + nbytes]
 
 
-class _Driver:
-  """The CUDA driver's host-registration calls, in the primary context XLA uses."""
-
-  def __init__(self):
-    self.lib = ctypes.CDLL("libcuda.so.1")
-    device, self.ctx = ctypes.c_int(), ctypes.c_void_p()
-    self._check(self.lib.cuDeviceGet(ctypes.byref(device), 0), "cuDeviceGet")
-    self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), device), "cuDevicePrimaryCtxRetain")
-
-  @staticmethod
-  def _check(code: int, what: str) -> None:
-    if code != 0:
-      raise RuntimeError(f"{what} returned CUDA error {code}")
-
-  def register(self, buf: np.ndarray) -> None:
-    self._check(self.lib.cuCtxPushCurrent_v2(self.ctx), "cuCtxPushCurrent")
-    try:
-      self._check(self.lib.cuMemHostRegister_v2(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(buf.nbytes),
-                                                ctypes.c_uint(1)), "cuMemHostRegister")  # PORTABLE
-    finally:
-      self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-  def unregister(self, buf: np.ndarray) -> None:
-    self.lib.cuCtxPushCurrent_v2(self.ctx)
-    self.lib.cuMemHostUnregister(ctypes.c_void_p(buf.ctypes.data))
-    self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-
-
 def ways(buf: np.ndarray, device, splits: list[int], pool) -> dict:
   """name -> a function making the copy (returning the device arrays), for `buf`."""
   on_device = jax.sharding.SingleDeviceSharding(device)
@@ -105,25 +79,17 @@ def main(argv):
   device = jax.devices()[0]
   splits = [int(n) for n in FLAGS.splits]
   rows = []
-  driver = None
-  try:
-    driver = _Driver()
-  except (OSError, RuntimeError) as e:
-    print(f"no driver registration: {e}")
   with concurrent.futures.ThreadPoolExecutor(max(splits)) as pool:
     for mb in (int(s) for s in FLAGS.sizes_mb):
       nbytes = mb << 20
       buf = _page_aligned(nbytes)
       buf[:] = np.random.default_rng(mb).integers(0, 256, nbytes, dtype=np.uint8)
       found = ways(buf, device, splits, pool)
-      if driver is not None:
-        registered = _page_aligned(nbytes)
-        registered[:] = buf
-        try:
-          driver.register(registered)
-          found["registered"] = lambda r=registered: jax.device_put(r, jax.sharding.SingleDeviceSharding(device))
-        except RuntimeError as e:
-          rows.append(dict(size_mb=mb, way="registered", error=str(e)))
+      registered = buf.copy()
+      if page_lock.lock(registered):
+        found["registered"] = lambda r=registered: jax.device_put(r, jax.sharding.SingleDeviceSharding(device))
+      else:
+        rows.append(dict(size_mb=mb, way="registered", error="kvjax.page_lock could not lock the buffer (see log)"))
       for way, copy in found.items():
         try:
           ms = _timed(copy, FLAGS.repeats)
@@ -133,8 +99,6 @@ def main(argv):
         print(rows[-1], flush=True)
       rows.append(_pinned_view(buf, device))
       print(rows[-1], flush=True)
-      if driver is not None and "registered" in found:
-        driver.unregister(registered)
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir,
                            notes="Host -> device copies of one uint8 buffer (module docstring); ms = median, "
                                  "waited for; GB/s = bytes / ms.")

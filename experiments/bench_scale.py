@@ -49,6 +49,8 @@ POLICIES = {
     "freekv_step_lag2_int8": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8"}),
     "freekv_step_lag2_int8_pinned": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8",
                                                 "transfer": "pinned"}),
+    "freekv_step_lag2_int8_pageable": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8",
+                                                  "transfer": "pageable"}),
 }
 
 flags.DEFINE_string("model", "random:llama3-8b", "Model name (its KV heads must be divisible by --devices).")

@@ -59,8 +59,9 @@ def define_flags() -> None:
                     "exchange between steps (previous step's selection, no host inside the step).")
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
                        "step t - lag (1: host works between steps; 2: while the device computes).")
-  flags.DEFINE_enum("transfer", None, ["pageable", "pinned"],
-                    "per_step bridge: copy each step's host update to the device from page-locked or pageable memory.")
+  flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
+                    "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
+                    "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")
   flags.DEFINE_enum("page_summary", None, ["minmax", "keys2", "keys4"],
                     "freekv: page scores from per-page key min/max (FreeKV) or from every key at 2 / 4 bits.")
   flags.DEFINE_enum("host_codec", None, ["none", "int8"],

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import kv_codec
+from kvjax import kv_codec, page_lock
 
-TRANSFERS = ("pageable", "pinned")
+TRANSFERS = ("page_locked", "pageable", "pinned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +79,14 @@ def padded_size(n: int) -> int:
 class StepBuffers:
   """The byte buffers the steps' RowUpdates are packed into, used in turn.
 
-  With `reuse` `count` buffers (of the largest update) serve every step in rotation: the copy
+  With `reuse` `count` buffers serve every step in rotation, each grown (to twice the update
+  that outgrew it, at most `most` bytes) rather than sized for the worst case up front: at 8B
+  shapes, batch 12, the worst case is ~0.8 GB a buffer and a typical update ~0.12 GB. The copy
   to the device of the update packed into a buffer must be complete before that buffer is
   packed again (`to_device` with `wait`, or an ordering that implies it: see freekv's
-  exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box);
-  the CPU backend may alias host memory, so by default only other backends reuse."""
+  exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box),
+  and a reused one is page-locked once (transfer "page_locked"); the CPU backend may alias
+  host memory, so by default only other backends reuse."""
 
   def __init__(self, count: int = 1):
     self.reuse = jax.default_backend() != "cpu"
@@ -95,8 +98,8 @@ class StepBuffers:
     if not self.reuse:
       return np.empty(nbytes, np.uint8)
     i, self._next = self._next, (self._next + 1) % len(self._buffers)
-    if self._buffers[i] is None or self._buffers[i].size != most:
-      self._buffers[i] = np.empty(most, np.uint8)
+    if self._buffers[i] is None or self._buffers[i].size < nbytes:
+      self._buffers[i] = np.empty(min(most, 2 * nbytes), np.uint8)
     return self._buffers[i][:nbytes]
 
 
@@ -109,17 +112,22 @@ def new_update(buffers: StepBuffers, count: int, most: int, width: int, dtype) -
 
 def to_device(packed: np.ndarray, device, transfer: str, *, wait: bool = True):
   """Copies `packed` to `device`; with `wait`, returns once the copy is complete (the host
-  buffer may then be rewritten). Without it the copy (PjRt stages the host buffer on a worker
-  thread, then DMAs) overlaps what the caller does next; the caller must not rewrite `packed`
-  before something that consumed the device copy has finished. transfer "pinned" stages it in
-  page-locked host memory first (a host memcpy; the DMA from there runs at ~46 GB/s on the H200
-  machine, against ~6.7 GB/s from pageable memory). For freekv's ~20 MB updates the two took the
-  same median time per step, and pinned cost ~1.3 s more over a 24-step run
-  (experiments/results/bench_scale_8b_synthetic_128k_step_b1_static.md), so the policies default
-  to "pageable"."""
+  buffer may then be rewritten). Without it the copy overlaps what the caller does next; the
+  caller must not rewrite `packed` before something that consumed the device copy has finished.
+
+  transfer:
+    "page_locked": the buffer under `packed` is page-locked in place once (kvjax.page_lock;
+      CUDA devices only, else as "pageable"), and the copy DMAs straight from it: 39 GB/s for
+      80 MB on the H200 machine against 5.2 GB/s pageable (experiments/results/bench_h2d.md).
+    "pageable": PjRt stages the pageable buffer, then DMAs.
+    "pinned": a host copy into JAX's "pinned_host" memory, then the DMA from there: 4.9 GB/s
+      for the two together in the same run.
+  """
   if transfer not in TRANSFERS:
     raise ValueError(f"transfer={transfer!r}; expected one of {TRANSFERS}")
   on_device = jax.sharding.SingleDeviceSharding(device)
+  if transfer == "page_locked" and device.platform == "gpu":
+    page_lock.lock(packed)
   if transfer == "pinned":
     packed = jax.device_put(packed, on_device.with_memory_kind("pinned_host"))
   out = jax.device_put(packed, on_device)

@@ -250,7 +250,7 @@ def exchange_log(monkeypatch):
 
 
 @pytest.mark.parametrize("lag, transfer, sync, reuse", [(1, "pinned", True, False), (1, "pageable", False, False),
-                                                       (1, "pageable", False, True), (2, "pageable", False, True),
+                                                       (1, "page_locked", False, True), (2, "pageable", False, True),
                                                        (2, "pinned", True, False)])
 def test_per_step_equals_full_when_budget_covers_the_context(lag, transfer, sync, reuse, exchange_log, monkeypatch):
   if reuse:  # as on a GPU: packed host buffers rewritten every step, copies not waited for

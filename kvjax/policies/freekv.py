@@ -63,7 +63,7 @@ had fewer than n_sel pages, older resident ones) besides the ring; the one selec
 step (q_t over the pages complete after its eviction) serves the next step, and the step exports
 its missing pages and their slots (plan_recall), the evicted token and the counters. Between
 steps (`after_step`) the host appends the evicted tokens and gathers the missing pages into one
-packed kvjax.row_update.RowUpdate, copied to the device in one transfer (pinned or pageable) and
+packed kvjax.row_update.RowUpdate, copied to the device in one transfer (from page-locked memory by default) and
 scattered into the pool in place. There is no correction (it would need the host inside the
 step): `correct` only counts the heads per_layer would correct, and `missed` counts the pages a
 selection wanted that were not resident when its step attended (the one-step lag's cost). A
@@ -470,7 +470,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     lag: per_step only: 1 (a step's selection is recalled before the next step) or 2 (it is
       recalled while the next step runs, on a host thread, and attended one step later; the
       ring keeps one more page so no page falls between ring and pool).
-    transfer: per_step only: how the recalled pages reach the device, "pageable" or "pinned"
+    transfer: per_step only: how the recalled pages reach the device, "page_locked" (the
+      default: the packed buffers locked in place for DMA), "pageable" or "pinned"
       (kvjax.row_update.to_device).
     sync_transfer: per_step only: wait for each exchange's copy to land before the next step is
       launched (the stats then time the copy alone); by default it overlaps that launch.
@@ -498,7 +499,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   implementation: str = "auto"
   bridge: str = "per_layer"
   lag: int = 1
-  transfer: str = "pageable"
+  transfer: str = "page_locked"
   sync_transfer: bool = False
   page_summary: str = "minmax"
   host_codec: str = "none"

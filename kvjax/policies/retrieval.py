@@ -146,8 +146,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
-  transfer: per_step only: how each step's row update reaches the device, "pageable" (the
-    default) or "pinned" (staged in page-locked host memory; kvjax.row_update.to_device).
+  transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
+    default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
+    pinned host memory; kvjax.row_update.to_device).
   roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
     group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
     recall on Gemma-3 32K; host_index/NOTES_roar.md).
@@ -167,7 +168,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   bridge: str = "per_layer"
   tail_slots: int = 8
   lag: int = 1
-  transfer: str = "pageable"
+  transfer: str = "page_locked"
   roar_heads: str = "query"
   name: str = "retrieval"
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer")
