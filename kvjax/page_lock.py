@@ -54,7 +54,9 @@ class _Driver:
     self._in_context("cuMemHostUnregister", self.lib.cuMemHostUnregister, ctypes.c_void_p(address))
 
 
-_lock = threading.Lock()
+# Reentrant: a finalizer (`_release`) may run on this thread while `lock` holds it, if a
+# garbage collection starts inside the driver call.
+_lock = threading.RLock()
 _driver: _Driver | None = None
 _driver_error: str | None = None
 _locked: dict[int, int] = {}  # data address of a locked owner array -> its bytes
