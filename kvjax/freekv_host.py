@@ -213,7 +213,7 @@ class FreeKVRuntime:
       counters,  # [L, B, Hkv, 5] int: the step's per-head counters (see decode_layer)
       *,
       pool_slots: int,
-      send: Callable[[row_update.RowUpdate], Any] = lambda update: update,
+      send: Callable[[row_update.RowUpdate], Any],
   ):
     """per_step, between steps: gathers the pages asked for into one RowUpdate of the flattened
     [L, B, Hkv, pool_slots] pool (a row: one page, [page_size * D]), hands it to `send` (which

@@ -94,8 +94,8 @@ def lock(
     array: np.ndarray,  # any view of a contiguous NumPy buffer; its whole owner is locked
 ) -> bool:
   """Page-locks the memory under `array` (once per owning buffer, until it is freed);
-  True when it is locked. Only for buffers a GPU copies from many times: registering costs
-  about as much as one pageable copy."""
+  True when it is locked. Meant for buffers copied from many times (registering pins every
+  page of the buffer; its cost was not timed)."""
   owner = _owner(array)
   if not owner.flags.c_contiguous or owner.nbytes == 0:
     return False

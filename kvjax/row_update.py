@@ -81,7 +81,7 @@ class StepBuffers:
 
   With `reuse` `count` buffers serve every step in rotation, each grown (to twice the update
   that outgrew it, at most `most` bytes) rather than sized for the worst case up front: at 8B
-  shapes, batch 12, the worst case is ~0.8 GB a buffer and a typical update ~0.12 GB. The copy
+  shapes, batch 12, int8 rows, the worst case is ~0.8 GB a buffer and a typical update ~0.13 GB. The copy
   to the device of the update packed into a buffer must be complete before that buffer is
   packed again (`to_device` with `wait`, or an ordering that implies it: see freekv's
   exchange). Fresh buffers cost their page faults each step (~9 ms per 28 MB on the dev box),

@@ -227,8 +227,8 @@ def exchange_log(monkeypatch):
     log.fetches.append(np.array(rows[3]))
     return gather(self, runtime, rows, device)
 
-  def land_spy(self, state, packed, stats=None):
-    after = land(self, state, packed, stats)
+  def land_spy(self, state, packed):
+    after = land(self, state, packed)
     store = self.runtime(after).context  # alive only during the run
     pool_ids, pool_k, pool_v = (np.asarray(a) for a in (after.pool_ids, after.pool_k, after.pool_v))
     same = True

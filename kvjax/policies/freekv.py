@@ -62,9 +62,9 @@ the jitted step. Every head attends its whole pool (the previous step's selectio
 had fewer than n_sel pages, older resident ones) besides the ring; the one selection made in the
 step (q_t over the pages complete after its eviction) serves the next step, and the step exports
 its missing pages and their slots (plan_recall), the evicted token and the counters. Between
-steps (`after_step`) the host appends the evicted tokens and gathers the missing pages into one
-packed kvjax.row_update.RowUpdate, copied to the device in one transfer (from page-locked memory by default) and
-scattered into the pool in place. There is no correction (it would need the host inside the
+steps (`after_step`) the host gathers the missing pages into one packed
+kvjax.row_update.RowUpdate, starts its copy to the device (from page-locked memory by default),
+then appends the evicted tokens; the update is scattered into the pool in place. There is no correction (it would need the host inside the
 step): `correct` only counts the heads per_layer would correct, and `missed` counts the pages a
 selection wanted that were not resident when its step attended (the one-step lag's cost). A
 priming exchange after prefill recalls the first selection, made with the prompt's last query.
@@ -798,7 +798,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.stats.rows_seconds += time.perf_counter() - t0
     device = next(iter(state.pool_k.devices()))
     if self.lag == 1:
-      return self._land(state, self._gather(runtime, rows, device), runtime.stats)
+      return self._land(state, self._gather(runtime, rows, device))
     # lag 2: land the previous step's exchange, then run this one's on the host thread while the
     # next step runs (it attends the pool as landed here).
     if runtime.pending is None:
@@ -808,7 +808,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     waited = time.perf_counter() - t0
     runtime.stats.exchange_wait_seconds += waited
     runtime.stats.slowest_wait_ms = max(runtime.stats.slowest_wait_ms, 1e3 * waited)
-    state = self._land(state, packed, runtime.stats)
+    state = self._land(state, packed)
     runtime.pending = runtime.worker().submit(self._gather, runtime, rows, device)
     return state
 
@@ -833,16 +833,15 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.stats.slowest_exchange_ms = max(runtime.stats.slowest_exchange_ms, 1e3 * seconds)
     return packed
 
-  def _land(self, state: FreeKVState, packed, stats: freekv_host.FreeKVStats | None = None) -> FreeKVState:
-    """Scatters a packed update into the pool in place (timed into `stats.land_seconds`)."""
+  def _land(self, state: FreeKVState, packed) -> FreeKVState:
+    """Scatters a packed update into the pool in place (timed into the runtime's land_seconds)."""
     t0 = time.perf_counter()
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed,
                                                        codec=self.host_codec)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     pool_slots, pool_counts = _occupied_slots(pool_ids)
-    if stats is not None:
-      stats.land_seconds += time.perf_counter() - t0
+    self.runtime(state).stats.land_seconds += time.perf_counter() - t0
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids, pool_slots=pool_slots,
                          pool_counts=pool_counts)
 
