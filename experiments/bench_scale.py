@@ -27,6 +27,7 @@ On a CPU it runs with simulated devices (`jax_num_cpu_devices` is set to the lar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import time
 
@@ -82,8 +83,8 @@ flags.DEFINE_integer("trace", 0, "GPU only: decode under the profiler and write 
                      "(device time per step after the first) to <name>_kernels; the traced rows' latencies "
                      "carry the profiler's overhead.")
 flags.DEFINE_boolean("step_times", False, "Add each decode step's ms to the rows (decode_ms_steps).")
-flags.DEFINE_float("switch_interval", None, "sys.setswitchinterval for the run (Python's default 0.005 s): how "
-                   "soon the main thread gets the GIL back from a per_step exchange thread.")
+flags.DEFINE_list("switch_interval", [], "sys.setswitchinterval values (s; Python's default 0.005), each row run "
+                 "under each: how soon the main thread gets the GIL back from a per_step exchange thread.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_scale", "Results file name.")
 FLAGS = flags.FLAGS
@@ -231,8 +232,6 @@ def summaries(rows: list[dict]) -> list[dict]:
 
 def main(argv):
   del argv
-  if FLAGS.switch_interval is not None:
-    sys.setswitchinterval(FLAGS.switch_interval)
   counts = [int(n) for n in FLAGS.devices]
   lengths = [int(n) for n in FLAGS.context_lens]
   batches = [int(n) for n in FLAGS.batches]
@@ -241,6 +240,12 @@ def main(argv):
     raise app.UsageError(f"unknown --policies {unknown}; known: {list(POLICIES)}")
   if min(counts) < 1 or min(lengths) < 1 or min(batches) < 1:
     raise app.UsageError(f"--devices, --context_lens and --batches must be >= 1: {counts}, {lengths}, {batches}")
+  try:
+    intervals = [float(x) for x in FLAGS.switch_interval] or [None]
+  except ValueError:
+    raise app.UsageError(f"--switch_interval must be numbers (seconds): {FLAGS.switch_interval}") from None
+  if intervals != [None] and min(intervals) <= 0:
+    raise app.UsageError(f"--switch_interval values must be > 0: {FLAGS.switch_interval}")
   if FLAGS.layer_major and (FLAGS.context == "synthetic" or counts != [1]):
     raise app.UsageError("--layer_major applies to real contexts on one device (synthetic ones are staged anyway)")
   if FLAGS.context == "synthetic" and counts != [1]:
@@ -257,6 +262,7 @@ def main(argv):
   from context_reuse import ContextReuse
 
   rows, kernels, contexts = [], [], ContextReuse()
+  default_interval = sys.getswitchinterval()
   for devices in counts:
     try:
       model = kvjax.load_model(FLAGS.model, dtype=FLAGS.dtype, devices=devices)
@@ -275,12 +281,15 @@ def main(argv):
       print(f"calibration: {stats.describe()} ({time.perf_counter() - t0:.1f} s)", flush=True)
     for length in lengths:
       for batch in batches:
-        for key in FLAGS.policies:
+        for key, interval in itertools.product(FLAGS.policies, intervals):
+          sys.setswitchinterval(default_interval if interval is None else interval)
           try:
             row = run(model, devices, key, length, batch, stats, contexts, kernels)
           except Exception as e:  # e.g. out of memory: the other cases still get measured
             row = dict(devices=devices, policy=key, context_kind=FLAGS.context, context=length, batch=batch,
                        error=f"{type(e).__name__}: {e}"[:300])
+          if interval is not None:
+            row["switch_interval"] = interval
           print(row, flush=True)
           rows.append(row)
           # Written after every row: a run cut short by a time limit keeps what it measured.

@@ -138,13 +138,7 @@ class PrefetchRuntime(HostRuntime):
     t1 = time.perf_counter()
     queries = np.asarray(queries, np.float32)
     L, B, Hq, D = queries.shape
-    for layer in layers:
-      for b in np.flatnonzero(evicted_pos[layer] >= 0):
-        added = self.context.append(int(b), layer, int(evicted_pos[layer, b]) - self.sinks,
-                                    evicted_k[layer, b][:, None], evicted_v[layer, b][:, None])
-        if added:
-          self._unindexed_queries.setdefault((int(b), layer), []).append(evicted_q[layer, b])
-        self.stats.inserted_tokens += added
+    self._store_evicted(layers, evicted_k, evicted_v, evicted_q, evicted_pos)
     self._index_overflow(layers, B)
     t2 = time.perf_counter()
     self.stats.insert_seconds += t2 - t1
@@ -180,6 +174,19 @@ class PrefetchRuntime(HostRuntime):
     self.stats.callbacks += 1
     self.stats.callback_seconds += time.perf_counter() - t0
     return update
+
+  def _store_evicted(self, layers, evicted_k, evicted_v, evicted_q, evicted_pos) -> None:
+    """Appends every layer's evicted tokens in one call (a call per token and layer cost ~60 µs:
+    1.8 ms a step at SmolLM2's 30 layers) and keeps each new token's query for its indexing; a
+    token stored already (a repeated step) is skipped."""
+    rows, seqs = np.nonzero(evicted_pos[layers] >= 0)
+    pair_layers = np.asarray(layers, np.int64)[rows]
+    starts = evicted_pos[pair_layers, seqs].astype(np.int64) - self.sinks
+    stored = np.array([self.context.store.length(int(b), int(l)) for b, l in zip(seqs, pair_layers)], np.int64)
+    self.stats.inserted_tokens += self.context.append_tokens(seqs, pair_layers, starts, evicted_k[pair_layers, seqs],
+                                                             evicted_v[pair_layers, seqs])
+    for b, layer in zip(seqs[starts == stored], pair_layers[starts == stored]):
+      self._unindexed_queries.setdefault((int(b), int(layer)), []).append(evicted_q[layer, b])
 
   def _gather_update(self, wanted) -> RowUpdate:
     """The RowUpdate from `slot_ids` to `wanted` [L, B, Hq, slots] (slot_ids advanced to it):

@@ -41,11 +41,15 @@ def test_synthetic_contexts_at_two_lengths_and_batches(tmp_path):
 def test_retrieval_rows_share_one_index_build(tmp_path):
   doc = run_bench(tmp_path, "shared", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
                   "--context_lens=2048", "--policies=retrieval,retrieval_spec", "--index=flat", "--sinks=32",
-                  "--window=64")
-  plain, spec = doc["rows"]
-  assert "error" not in plain and "error" not in spec, doc["rows"]
+                  "--window=64", "--switch_interval=0.001,0.005")
+  rows = doc["rows"]
+  assert [(r["policy"], r["switch_interval"]) for r in rows] == [
+      ("retrieval", 0.001), ("retrieval", 0.005), ("retrieval_spec", 0.001), ("retrieval_spec", 0.005)]
+  assert not [r for r in rows if "error" in r], rows
+  plain, spec = rows[0], rows[2]
   assert "speculative" in spec["describe"] and "speculative" not in plain["describe"]
-  assert spec["prefill_and_index_s"] == plain["prefill_and_index_s"]  # the loaded context's build, not a new one
+  # every row decodes the loaded context's build, not a new one
+  assert {r["prefill_and_index_s"] for r in rows} == {plain["prefill_and_index_s"]}
 
 
 def test_real_contexts_on_two_simulated_devices(tmp_path):
@@ -61,7 +65,7 @@ def test_ragged_batches_through_a_host_backed_policy(tmp_path):
                   "--sinks=32", "--window=64", "--budget=256", "--max_recall=2",
                   "--switch_interval=0.001")
   per_layer, per_step = doc["rows"]
-  assert "--switch_interval=0.001" in doc["command"]
+  assert "--switch_interval=0.001" in doc["command"] and {r["switch_interval"] for r in doc["rows"]} == {0.001}
   assert "max_recall 2" in per_layer["describe"] and "one host exchange per step" in per_step["describe"]
   assert per_layer["lengths"] == "1024,854,683" and per_layer["callbacks_per_step"] == 1.0  # one per sparse layer, whole batch
   assert per_step["callbacks_per_step"] == 0 and per_step["host_exchanges"] == per_step["decode_steps"] == 3  # no callback

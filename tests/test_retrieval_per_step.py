@@ -54,6 +54,8 @@ def test_lag_two_is_deterministic_and_differs_from_lag_one():
   np.testing.assert_array_equal(two.logits, again.logits)  # thread timing does not leak into results
   assert np.abs(two.logits - one.logits).max() > 1e-4  # an older selection: a different approximation
   assert two.policy_stats["step_wait_seconds"] >= 0.0
+  for result in (one, two):  # after each step: reading its rows, then (from the second on) landing an update
+    assert result.policy_stats["rows_seconds"] > 0 and result.policy_stats["land_seconds"] > 0
 
 
 def test_no_host_callback_inside_the_step(monkeypatch):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 
 import flax.struct
 import jax
@@ -273,10 +274,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     self.check(state)
     if self.bridge != "per_step":
       return state
-    step = (state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q, state.step_evicted_pos)
-    if self.lag == 1:
-      return self._prefetch(cfg, state, *step)
     runtime = self.runtime(state)
+    t0 = time.perf_counter()
+    step = _host_arrays((state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
+                         state.step_evicted_pos))
+    runtime.stats.rows_seconds += time.perf_counter() - t0
+    if self.lag == 1:
+      return self._prefetch(cfg, state, step)
     # Lag 2: this step's queries select the rows of the step after next, on the prefetch thread
     # while the device computes the next step, which uses the rows selected one step earlier.
     # None pending = the first step after prefill (or a load): its rows were selected by the
@@ -284,8 +288,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     update = runtime.take_prefetched()
     if update is None:
       runtime.repeat_selection()
-    runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *_host_arrays(step))
-    return state if update is None else _apply_update(state, update)
+    runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *step)
+    return state if update is None else self._land(state, update)
 
   def _sparse_layers(self, cfg) -> list[int]:
     dense = set(self.dense_layer_ids(cfg))
@@ -297,12 +301,19 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
     return row_update.TransferTimer(self.runtime(state).stats, device, self.transfer)
 
-  def _prefetch(self, cfg, state: RetrievalState, *step):
-    """Runs the host's per-step work now (kvjax.prefetch_runtime) and applies the resulting row
-    update to the device buffers. step: queries, evicted k, v, q and positions of the step that
-    just ended."""
-    update = self.runtime(state).prefetch_step(self._sparse_layers(cfg), *_host_arrays(step))
-    return _apply_update(state, self._update_to_device(state)(update))
+  def _prefetch(self, cfg, state: RetrievalState, step) -> RetrievalState:
+    """Runs the host's per-step work now (kvjax.prefetch_runtime) and lands the resulting row
+    update. step: host arrays (queries, evicted k, v, q, positions) of the step that just ended."""
+    update = self.runtime(state).prefetch_step(self._sparse_layers(cfg), *step)
+    return self._land(state, self._update_to_device(state)(update))
+
+  def _land(self, state: RetrievalState, packed) -> RetrievalState:
+    """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the state's
+    row buffers in place (timed into the runtime's land_seconds)."""
+    t0 = time.perf_counter()
+    buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
+    self.runtime(state).stats.land_seconds += time.perf_counter() - t0
+    return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
   def stats(self, state: RetrievalState) -> dict:
     runtime = self.runtime(state)
@@ -472,16 +483,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % W, jnp.int32)  # its slot in the query ring
       last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
       none = jnp.full((L, B), -1, jnp.int32)
-      state = self._prefetch(cfg, state, last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
-                             none)
+      state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
+                                                       state.step_evicted_q, none)))
     return state
-
-
-def _apply_update(state: RetrievalState, packed) -> RetrievalState:
-  """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the
-  state's row buffers, in place."""
-  buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
-  return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
 
 def _host_arrays(step):
