@@ -36,12 +36,16 @@ enum hi_kind { HI_FLAT = 0, HI_IVF = 1, HI_GRAPH = 2, HI_ROAR = 3 };
 enum hi_metric { HI_L2 = 0, HI_IP = 1 };
 
 /* A read-only view of one head's keys: row i lives at
- * base + i * dim * itemsize. nrows bounds every id the core may touch. */
+ * base + i * dim * itemsize. nrows bounds every id the core may touch. room
+ * (0 = nrows) is how many rows the buffer has space for: a build sizes its
+ * node arrays for them, so the decode-time inserts that fill that space do not
+ * grow (copy) the index on their first call. */
 typedef struct {
   const void *base;
   int dtype;
   int dim;
   int64_t nrows;
+  int64_t room;
 } hi_keys_t;
 
 static inline size_t hi_itemsize(int dtype) { return dtype == HI_F32 ? 4 : 2; }

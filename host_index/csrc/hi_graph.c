@@ -297,6 +297,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
 static int keys_f32(const hi_keys_t *keys, int64_t n, int threads, float **buf, hi_keys_t *out) {
   *out = *keys;
   out->nrows = n;
+  out->room = n;
   *buf = NULL;
   if (keys->dtype == HI_F32) return HI_OK;
   float *b = malloc((size_t)(n > 0 ? n : 1) * (size_t)keys->dim * sizeof(float));

@@ -139,7 +139,8 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
   ix->n = 0;
   ix->entry = -1;
   ix->nhubs = 0;
-  int err = hi_index_reserve(ix, n > 0 ? n : 1);
+  const int64_t room = keys->room > n ? keys->room : n;
+  int err = hi_index_reserve(ix, room > 0 ? room : 1);
   if (err) return err;
   switch (ix->kind) {
     case HI_FLAT: ix->n = n; return HI_OK;

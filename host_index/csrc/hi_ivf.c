@@ -9,7 +9,7 @@
 
 /* Nearest centroid (L2) of x. */
 static int32_t nearest_list(const hi_index_t *ix, const float *x, float *dd) {
-  const hi_keys_t c = {ix->centroids, HI_F32, ix->dim, ix->nlist};
+  const hi_keys_t c = {ix->centroids, HI_F32, ix->dim, ix->nlist, 0};
   hi_l2_range(x, &c, 0, ix->nlist, dd);
   int32_t b = 0;
   for (int32_t j = 1; j < ix->nlist; j++)
@@ -182,7 +182,7 @@ int hi_ivf_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const 
   int err = hi_ws_ensure(ws, nlist, top, nlist > CHUNK ? nlist : CHUNK, ix->dim);
   if (err) return err;
   /* Probe the lists with the largest q . centroid. */
-  const hi_keys_t cv = {ix->centroids, HI_F32, ix->dim, nlist};
+  const hi_keys_t cv = {ix->centroids, HI_F32, ix->dim, nlist, 0};
   hi_scores_range(q, &cv, 0, nlist, ws->dist);
   int64_t nc = 0;
   for (int32_t j = 0; j < nlist; j++)

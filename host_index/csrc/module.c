@@ -81,6 +81,7 @@ static int keys_view(PyObject *o, Py_buffer *b, int dtype, int dim, Py_ssize_t h
   kv->dtype = dtype;
   kv->dim = dim;
   kv->nrows = nrows;
+  kv->room = cap;
   return 0;
 }
 
