@@ -325,25 +325,25 @@ def test_ef_insert(kind):
 
 @pytest.mark.parametrize("kind", ["ivf", "graph", "roar"])
 def test_a_build_sizes_its_nodes_for_the_reserved_room(kind):
-  """A build over a store reserved for decode (KVStore.reserve) sizes its node arrays for that
-  room: the inserts that fill it do not grow the index (a copy of its node arrays on the first
-  decode step, ~0.6 s at SmolLM2 shapes, 128K), and without the reservation they do."""
-  n, room = 300, 64
-  sizes = {}
-  for reserved in (True, False):
-    ctx = hi.HostContext(1, 1, HQ, HKV, D, kind=kind)
-    if reserved:
-      ctx.store.reserve(0, 0, n + room)
-    rng = np.random.default_rng(0)
-    k = np.stack([clustered(n + room, D, seed=h) for h in range(HKV)])
-    v = rng.standard_normal((HKV, n + room, D)).astype(np.float32)
-    ctx.append(0, 0, 0, k[:, :n], v[:, :n])
-    tq = rng.standard_normal((1, HQ, 40, D)).astype(np.float32) if kind == "roar" else None
-    ctx.build_layer(0, train_queries=tq, threads=1)
-    built = ctx.index(0, 0, 0).nbytes
-    ctx.append(0, 0, n, k[:, n:], v[:, n:])
-    ctx.index_stored([0], [0], queries=rng.standard_normal((1, HQ, room, D)).astype(np.float32), threads=1)
-    assert len(ctx.index(0, 0, 0)) == n + room
-    sizes[reserved] = (built, ctx.index(0, 0, 0).nbytes)
-  assert sizes[True][0] == sizes[True][1]  # reserved: no growth
-  assert sizes[False][1] > sizes[False][0]  # not reserved: the inserts grew it
+    """A build over a store reserved for decode (KVStore.reserve) sizes its node arrays for that
+    room: the inserts that fill it do not grow the index (a copy of its node arrays on the first
+    decode step, ~0.6 s at SmolLM2 shapes, 128K), and without the reservation they do."""
+    n, room = 300, 64
+    sizes = {}
+    for reserved in (True, False):
+        ctx = hi.HostContext(1, 1, HQ, HKV, D, kind=kind)
+        if reserved:
+            ctx.store.reserve(0, 0, n + room)
+        rng = np.random.default_rng(0)
+        k = np.stack([clustered(n + room, D, seed=h) for h in range(HKV)])
+        v = rng.standard_normal((HKV, n + room, D)).astype(np.float32)
+        ctx.append(0, 0, 0, k[:, :n], v[:, :n])
+        tq = rng.standard_normal((1, HQ, 40, D)).astype(np.float32) if kind == "roar" else None
+        ctx.build_layer(0, train_queries=tq, threads=1)
+        built = ctx.index(0, 0, 0).nbytes
+        ctx.append(0, 0, n, k[:, n:], v[:, n:])
+        ctx.index_stored([0], [0], queries=rng.standard_normal((1, HQ, room, D)).astype(np.float32), threads=1)
+        assert len(ctx.index(0, 0, 0)) == n + room
+        sizes[reserved] = (built, ctx.index(0, 0, 0).nbytes)
+    assert sizes[True][0] == sizes[True][1]  # reserved: no growth
+    assert sizes[False][1] > sizes[False][0]  # not reserved: the inserts grew it
