@@ -76,6 +76,61 @@ def padded_size(n: int) -> int:
   return int(-(-int(np.ceil(size)) // 64) * 64)
 
 
+def ladder(upto: int) -> list[int]:
+  """Every size `padded_size` returns, in order, up to padded_size(upto)."""
+  sizes = [64]
+  while sizes[-1] < upto:
+    sizes.append(padded_size(sizes[-1] + 1))
+  return sizes
+
+
+# Off on a CPU backend, where the decode step itself is the slow part and tests prefill often;
+# set it to warm there too (tests).
+WARM_ON_CPU = False
+
+
+def warm_scatter(
+    buf_k,  # [..., slots, *row] the slot buffers of scatter_rows (donated, returned unchanged)
+    buf_v,  # same shape
+    buf_ids,  # [..., slots] int32
+    *,
+    most: int,  # the largest update's real entries
+    codec: str = "none",
+):
+  """Runs `scatter_rows` once for every padded size up to padded_size(most), each with an update
+  of padding only (every dest past the buffers: dropped, nothing written), so no decode step
+  compiles one. Returns the (unchanged) buffers.
+
+  Why: each padded size is its own compile (~70-100 ms on the H200), and an update's size drifts
+  over a decode: retrieval per_step at SmolLM2 shapes, 128K, spent 76-100 ms on 7 of its first 30
+  steps in `land` against a 0.41 ms median, where a second decode in the same process spent none
+  (experiments/results/bench_scale_smollm2shapes_synthetic_128k_roar_kv_room.md). Compiling
+  neighbouring sizes during decode instead (a421b5b) slowed the steady steps: here every size
+  compiles before the first step. The padding is made on the buffers' device and committed to it,
+  as a copied update is, so the decode's calls find these compiles."""
+  if jax.default_backend() == "cpu" and not WARM_ON_CPU:
+    return buf_k, buf_v, buf_ids
+  device = next(iter(buf_k.devices()))
+  num_slots = math.prod(buf_ids.shape)
+  row = buf_k.shape[buf_ids.ndim:]
+  width = math.prod(row[:-1]) * kv_codec.host_width(codec, row[-1])
+  row_bytes = width * kv_codec.wire_dtype(codec, buf_k.dtype).itemsize
+  for size in ladder(most):
+    packed = jax.device_put(_padding_update(size, num_slots, row_bytes), jax.sharding.SingleDeviceSharding(device))
+    buf_k, buf_v, buf_ids = scatter_rows(buf_k, buf_v, buf_ids, packed, codec=codec)  # codec by name, as callers pass it
+  return buf_k, buf_v, buf_ids
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _padding_update(size: int, num_slots: int, row_bytes: int):
+  """A packed RowUpdate (layout as RowUpdate.packed) of `size` padding entries: dest distinct and
+  >= num_slots, ids -1, rows zero."""
+  as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
+  dest = num_slots + jnp.arange(size, dtype=jnp.int32)
+  return jnp.concatenate([as_bytes(dest), as_bytes(jnp.full((size,), -1, jnp.int32)),
+                          jnp.zeros((2 * size * row_bytes,), jnp.uint8)])
+
+
 class StepBuffers:
   """The byte buffers the steps' RowUpdates are packed into, used in turn.
 

@@ -12,7 +12,7 @@ import pytest
 
 import host_index
 import kvjax
-from kvjax import host_runtime
+from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
 from kvjax.prefetch_runtime import PrefetchRuntime
@@ -165,6 +165,52 @@ def test_saved_context_decodes_token_for_token(tmp_path, lag):
 
 
 STEPS_SAVED = 12
+
+
+def test_every_update_size_compiles_before_the_first_step(tmp_path, monkeypatch):
+  """With the warm-up (forced here: it is off on a CPU backend) a decode compiles no update
+  scatter, after a prefill and after a load, and decodes as without it; without the warm-up a
+  decode with fresh buffer shapes does compile some (what the warm-up moves out of the steps)."""
+  model = tiny_model("llama")
+  prompt = random_prompt(50, seed=8)
+
+  def prefill_and_decode(topk, warm, path=None):
+    monkeypatch.setattr(row_update, "WARM_ON_CPU", warm)
+    options = dict(index="flat", topk=topk, lag=2, **PER_STEP)
+    ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
+                        prefill_chunk=16)
+    if path is not None:
+      kvjax.save_context(ctx, path)
+    before = row_update.scatter_rows._cache_size()
+    result = kvjax.decode(model, ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
+    return result, row_update.scatter_rows._cache_size() - before
+
+  _, compiled = prefill_and_decode(topk=5, warm=False)
+  assert compiled > 0
+  warm, compiled = prefill_and_decode(topk=6, warm=True, path=tmp_path / "c")
+  assert compiled == 0
+  cold, _ = prefill_and_decode(topk=6, warm=False)  # the same shapes, compiled already: equal results
+  assert warm.tokens == cold.tokens
+  np.testing.assert_array_equal(warm.logits, cold.logits)
+  loaded = kvjax.load_context(tmp_path / "c", model)  # attach_host warms again (nothing new to compile)
+  before = row_update.scatter_rows._cache_size()
+  again = kvjax.decode(model, loaded, max_new_tokens=STEPS_SAVED, return_logits=True)
+  assert row_update.scatter_rows._cache_size() == before and again.tokens == warm.tokens
+
+
+def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
+  monkeypatch.setattr(row_update, "WARM_ON_CPU", True)
+  rng = np.random.default_rng(0)
+  buf_k = jnp.asarray(rng.standard_normal((2, 3, 5, 4)), jnp.float32)
+  buf_v = jnp.asarray(rng.standard_normal((2, 3, 5, 4)), jnp.float32)
+  buf_ids = jnp.asarray(rng.integers(-1, 9, (2, 3, 5)), jnp.int32)
+  want = [np.asarray(a) for a in (buf_k, buf_v, buf_ids)]
+  sizes_before = row_update.scatter_rows._cache_size()
+  out = row_update.warm_scatter(buf_k, buf_v, buf_ids, most=200)
+  for got, expected in zip(out, want):
+    np.testing.assert_array_equal(np.asarray(got), expected)
+  assert row_update.scatter_rows._cache_size() - sizes_before <= len(row_update.ladder(200))
+  assert row_update.ladder(200) == [64, 128, 192, 256] and row_update.ladder(64) == [64]
 
 
 @pytest.mark.parametrize("options, message", [

@@ -268,6 +268,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     state = super().attach_host(cfg, state, context)
     if self.bridge == "per_step":  # the host's record of what the loaded device buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
+      state = self._warm_scatter(state)
     return state
 
   def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
@@ -311,8 +312,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the state's
     row buffers in place (timed into the runtime's land_seconds)."""
     t0 = time.perf_counter()
-    buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed)
+    buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed, codec="none")
     self.runtime(state).stats.land_seconds += time.perf_counter() - t0
+    return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
+
+  @staticmethod
+  def _warm_scatter(state: RetrievalState) -> RetrievalState:
+    """Compiles the row update's scatter for every size an update can take (row_update.warm_scatter)."""
+    buf_k, buf_v, buf_ids = row_update.warm_scatter(state.buf_k, state.buf_v, state.buf_ids, most=state.buf_ids.size)
     return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
   def stats(self, state: RetrievalState) -> dict:
@@ -485,6 +492,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       none = jnp.full((L, B), -1, jnp.int32)
       state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
                                                        state.step_evicted_q, none)))
+      state = self._warm_scatter(state)
     return state
 
 
