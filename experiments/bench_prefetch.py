@@ -43,13 +43,16 @@ flags.DEFINE_integer("steps", 16, "Timed steps (after 2 warm-up steps).")
 flags.DEFINE_float("drift", 0.3, "Step-to-step query noise, relative to the query scale.")
 flags.DEFINE_boolean("reuse_buffers", True, "Reuse the update buffer (as on a GPU backend).")
 flags.DEFINE_integer("profile_top", 12, "Functions listed by own time.")
+flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculative=True): a KV-head group keeps its "
+                   "latest search while its query stays within this cosine of that search's query; unset: every "
+                   "head searches every step.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
 FLAGS = flags.FLAGS
 NOTES = ("Synthetic random vectors, host CPU time only: search times depend on the vectors (random ones are the "
          "hardest case for a graph index); gather and bookkeeping costs depend on the shapes and the rows that "
          "enter. ms columns are medians over the timed steps.")
-PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_seconds")
+PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_seconds", "searched_heads")
 
 
 def build_runtime(rng) -> PrefetchRuntime:
@@ -60,8 +63,9 @@ def build_runtime(rng) -> PrefetchRuntime:
     context.append(0, layer, 0, keys, keys)
     context.build_layer(layer)
     context.store.reserve(0, layer, n + FLAGS.steps + 8)
+  speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
-                            background_threads=available_cores())  # as retrieval's per_step runtime
+                            background_threads=available_cores(), **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
 
@@ -142,6 +146,7 @@ def main(argv):
              search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),
              wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
                            - median("gather_seconds"), 3),
+             tau=FLAGS.tau, searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              shipped_rows=int(np.median(shipped)), slots=L * Hq * (FLAGS.topk + 8),
              update_bytes=int(np.median(packed_bytes)))
   rows = [row, compare]

@@ -41,6 +41,8 @@ POLICIES = {
     "retrieval_spec": ("retrieval", {"speculative": True}),
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
+    "retrieval_step_lag2_kv_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                  "speculative": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

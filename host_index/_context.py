@@ -546,7 +546,7 @@ class HostContext:
                      ids, scanned, nthreads)
         return ids, scanned
 
-    def search_layers(self, layers, queries, *, k: int, ef: int | None = None,
+    def search_layers(self, layers, queries, *, k: int, ef: int | None = None, heads=None,
                       threads: int | None = None):
         """`search` of several layers for every sequence, in one C call.
 
@@ -559,6 +559,8 @@ class HostContext:
             queries: [T, B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite;
                 B = num_seqs.
             k, ef, threads: as in `search`.
+            heads: [T, B, Hq] bool, the (layer, seq, head)s to search (default all);
+                the others get ids -1 and scanned 0.
 
         Returns:
             ids [T, B, Hq, k] int64 (best first, -1 padded), scanned [T, B, Hq] int64;
@@ -578,10 +580,17 @@ class HostContext:
             return np.empty((0, B, self.num_q_heads, k), np.int64), np.empty((0, B, self.num_q_heads), np.int64)
         q = _dtypes.as_f32(np.reshape(queries, (T * B, self.num_q_heads, self.head_dim)), "queries", ndim=3,
                            dim=self.head_dim)
+        mask = None
+        if heads is not None:
+            mask = np.asarray(heads)
+            if mask.shape != (T, B, self.num_q_heads) or mask.dtype != np.bool_:
+                raise ValueError(f"heads {mask.shape} {mask.dtype} must be a bool "
+                                 f"[{T}, {B}, {self.num_q_heads}] mask")
+            mask = np.ascontiguousarray(mask.reshape(T * B, self.num_q_heads))
         pairs = [(s, l) for l in layers for s in range(B)]
         for s, l in pairs:
             self.store._check(s, l)
-        ids, scanned = self._search_rows(pairs, q, k, ef, None, threads)
+        ids, scanned = self._search_rows(pairs, q, k, ef, mask, threads)
         return ids.reshape(T, B, self.num_q_heads, k), scanned.reshape(T, B, self.num_q_heads)
 
     def attend_ids(self, layer: int, queries, ids, *, scale: float | None = None, seqs=None,

@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 import host_index
-from kvjax.host_runtime import HostRuntime, available_cores, reuse_hits
+from kvjax.host_runtime import HostRuntime, _group_mean_cosine, available_cores, reuse_hits
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -85,6 +85,9 @@ class PrefetchRuntime(HostRuntime):
     # Per layer, the ids [B, Hq, slots] of the steps selected for but not scored yet, oldest
     # first: the head is what the step that just ended used.
     self._selections: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+    # Per (layer, seq, query head): the query of its latest search [L, B, Hq, D], that search's
+    # ids [L, B, Hq, k] and the tokens indexed when it ran [L, B, Hq] (it saw ids below that).
+    self._last_query = self._last_found = self._seen = None
 
   def close(self) -> None:
     self._prefetcher.shutdown(wait=True, cancel_futures=True)
@@ -143,26 +146,36 @@ class PrefetchRuntime(HostRuntime):
     t2 = time.perf_counter()
     self.stats.insert_seconds += t2 - t1
 
+    first = self._last_query is None  # every head searches
+    if first:
+      self._last_query = np.zeros((L, B, Hq, D), np.float32)
+      self._last_found = np.full((L, B, Hq, self.topk), -1, np.int64)
+      self._seen = np.zeros((L, B, Hq), np.int64)
+    stored = np.array([[self.context.store.length(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
+    indexed = np.array([[self.context.indexed(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
+    searched = self._heads_to_search(layers, queries, stored, first)  # [T, B, Hq] bool
     found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,
-                                                threads=self.search_threads)  # [T, B, Hq, k]
-    self._count_scanned(scanned)
+                                                heads=searched, threads=self.search_threads)  # [T, B, Hq, k]
+    self._count_scanned(scanned[searched])
+    found = np.where(searched[..., None], found, self._last_found[layers])
+    self._last_query[layers] = np.where(searched[..., None], queries[layers], self._last_query[layers])
+    self._last_found[layers] = found
+    self._seen[layers] = np.where(searched, indexed[..., None], self._seen[layers])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
-    # The selections, in no slot order (top-k, then every stored-but-unindexed token); dense
-    # layers' slots stay empty.
+    # The selections, in no slot order (each head's latest top-k, then every stored token that
+    # search could not return); dense layers' slots stay empty.
     wanted = self.slot_ids.copy()
-    tails = np.zeros((0, B, self.tail_slots), np.int64)  # [T, B, tail_slots]
-    if layers:
-      tails = np.stack([self._tail_ids(layer, B)[:, 0] for layer in layers])
     wanted[layers, :, :, :self.topk] = found
-    wanted[layers, :, :, self.topk:] = tails[:, :, None, :]
-    self.stats.unindexed_attended += int(np.count_nonzero(tails >= 0))
+    wanted[layers, :, :, self.topk:] = self._tail_ids(self._seen[layers], stored)
+    self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result
       used = np.stack([self._selections[layers[t]].popleft() for t in scored])
-      hits, total = reuse_hits(used, found[scored])
+      fresh = searched[scored]  # a head that reused its search has no fresh result to score against
+      hits, total = reuse_hits(used[fresh], found[scored][fresh])
       self.stats.reused_hits += hits
       self.stats.reused_total += total
     for layer in layers:
@@ -208,13 +221,31 @@ class PrefetchRuntime(HostRuntime):
     self.stats.shipped_rows += dest.size
     return update
 
-  def _tail_ids(self, layer: int, batch: int):
-    """Store ids [B, 1, tail_slots] (-1 padded) of each sequence's stored, unindexed tokens."""
-    tail = np.full((batch, self.tail_slots), -1, np.int64)
-    for b in range(batch):
-      done, total = self.context.indexed(b, layer), self.context.store.length(b, layer)
-      tail[b, : total - done] = np.arange(done, total)
-    return tail[:, None, :]
+  def _heads_to_search(self, layers, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B] -> [T, B, Hq]
+    """Which (layer, seq, query head)s search at this step: all of them, or with `speculative`
+    the KV-head groups whose mean cosine between this query and the query of their latest search
+    fell below `tau`, or whose tail could not hold the tokens stored since that search (a group
+    that keeps its search attends those tokens in its tail slots, so nothing is lost). Counted in
+    corrected_groups / speculated_groups."""
+    T, B, Hq = len(layers), queries.shape[1], queries.shape[2]
+    if first or not self.speculative:
+      return np.ones((T, B, Hq), bool)
+    G = self.context.group
+    drift = _group_mean_cosine(queries[layers].reshape(T * B, Hq, -1), self._last_query[layers].reshape(T * B, Hq, -1),
+                               Hq // G).reshape(T, B, Hq // G) < self.tau
+    unseen = (stored[..., None] - self._seen[layers]).reshape(T, B, Hq // G, G).max(axis=-1)
+    redo = drift | (unseen > self.tail_slots)
+    self.stats.corrected_groups += int(redo.sum())
+    self.stats.speculated_groups += int((~redo).sum())
+    return np.repeat(redo, G, axis=-1)
+
+  def _tail_ids(self, seen, stored):  # seen [T, B, Hq], stored [T, B] -> [T, B, Hq, tail_slots]
+    """Store ids (-1 padded) each head's latest search could not return: those from `seen` (what
+    was indexed when it ran) to the end of the store."""
+    ids = seen[..., None] + np.arange(self.tail_slots)
+    if (stored[..., None] - seen > self.tail_slots).any():  # _index_overflow and _heads_to_search prevent it
+      raise RuntimeError("retrieval per_step: more stored tokens than tail slots escaped the searches")
+    return np.where(ids < stored[..., None, None], ids, -1)
 
   def _index_overflow(self, layers, batch: int) -> None:
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not

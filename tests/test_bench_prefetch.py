@@ -8,14 +8,25 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_prefetch_small(tmp_path):
+def run_bench(tmp_path, name, *flags):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_prefetch.py"), "--layers=2", "--q_heads=4",
-         "--kv_heads=2", "--head_dim=16", "--keys=300", "--topk=10", "--steps=3", f"--out_dir={tmp_path}",
-         "--name=small"]
+         "--kv_heads=2", "--head_dim=16", "--keys=300", "--topk=10", f"--out_dir={tmp_path}", f"--name={name}",
+         *flags]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  doc = json.loads((tmp_path / "small.json").read_text())
+  return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_speculative_reuse_searches_fewer_heads(tmp_path):
+  every = run_bench(tmp_path, "every", "--steps=6")["rows"][0]
+  reuse = run_bench(tmp_path, "reuse", "--steps=6", "--tau=0.5")["rows"][0]
+  assert every["tau"] is None and every["searched_heads"] == 2 * 4  # layers x query heads, each step
+  assert reuse["tau"] == 0.5 and reuse["searched_heads"] < every["searched_heads"]
+
+
+def test_bench_prefetch_small(tmp_path):
+  doc = run_bench(tmp_path, "small", "--steps=3")
   step, compare, *profile = doc["rows"]
   assert compare["kind"] == "gather_compare" and compare["rows"] > 0 and compare["stores"] == 2
   assert compare["per_store_ms"] > 0 and compare["one_call_ms"] > 0

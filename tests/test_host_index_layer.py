@@ -162,6 +162,16 @@ def test_search_layers_equals_search_per_layer(kind):
     with pytest.raises(ValueError, match="queries"):
         ctx.search_layers([0], q, k=10)
     assert ctx.search_layers([], q[:0], k=3)[0].shape == (0, S, HQ, 3)
+    mask = np.zeros((2, S, HQ), bool)
+    mask[0, 0, 1] = mask[1, 1, 2:] = True
+    ids, scanned = ctx.search_layers([1, 0], q, k=10, ef=40, heads=mask)
+    for t, layer in enumerate([1, 0]):
+        want_ids, want_scanned = ctx.search(layer, q[t], k=10, ef=40, heads=mask[t])
+        np.testing.assert_array_equal(ids[t], want_ids)
+        np.testing.assert_array_equal(scanned[t], want_scanned)
+    assert (ids[~mask] == -1).all() and (scanned[~mask] == 0).all() and (scanned[mask] > 0).all()
+    with pytest.raises(ValueError, match="heads"):
+        ctx.search_layers([1, 0], q, k=10, heads=mask[:1])
 
 
 @pytest.mark.parametrize("kind", ["graph", "roar"])

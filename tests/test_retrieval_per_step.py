@@ -45,6 +45,36 @@ def test_equals_full_with_dense_and_local_layers(lag):
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lag", [1, 2])
+def test_speculative_reuse_loses_nothing_when_topk_covers_the_context(lag):
+  """tau 0: a group searches again only when its tail slots fill (every 4 steps here); the tokens
+  stored since its latest search are attended from the tail, so with a covering top-k decode still
+  equals full, while most groups skip their search."""
+  model = tiny_model("llama")
+  prompts = [random_prompt(53), random_prompt(21, seed=5)]
+  full = run(model, prompts)
+  sparse = run(model, prompts, index="flat", topk=500, lag=lag, speculative=True, tau=0.0, tail_slots=4,
+               **PER_STEP)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  stats = sparse.policy_stats
+  groups = stats["speculated_groups"] + stats["corrected_groups"]
+  assert stats["speculated_groups"] > stats["corrected_groups"] > 0
+  G = model.cfg.num_heads // model.cfg.num_kv_heads
+  first = model.cfg.num_layers * 2 * model.cfg.num_heads  # the first exchange searches every head
+  assert stats["searched_heads"] == first + G * stats["corrected_groups"] < first + G * groups
+
+
+def test_speculative_tau_one_searches_every_head_as_without_it():
+  model = tiny_model("llama")
+  prompt = random_prompt(60, seed=4)
+  options = dict(index="flat", topk=3, lag=2, **PER_STEP)
+  plain = run(model, prompt, **options)
+  spec = run(model, prompt, speculative=True, tau=1.0, **options)
+  np.testing.assert_array_equal(spec.logits, plain.logits)
+  assert spec.policy_stats["speculated_groups"] == 0 and spec.policy_stats["corrected_groups"] > 0
+  assert spec.policy_stats["searched_heads"] == plain.policy_stats["searched_heads"]
+
+
 def test_lag_two_is_deterministic_and_differs_from_lag_one():
   model = tiny_model("llama")
   prompt = random_prompt(60, seed=4)
@@ -215,7 +245,7 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
 
 @pytest.mark.parametrize("options, message", [
     (dict(bridge="async"), "bridge="),
-    (dict(bridge="per_step", speculative=True), "speculative"),
+    (dict(bridge="per_step", tau=1.5), "tau=1.5"),
     (dict(bridge="per_step", tail_slots=0), "tail_slots=0"),
     (dict(roar_heads="group"), "roar_heads="),
     (dict(bridge="per_step", lag=3), "lag=3"),

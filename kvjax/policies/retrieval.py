@@ -135,15 +135,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   dense_layers: layers attended densely on the device.
   train_queries: prefill queries per head kept to train roar (strided over the prompt).
   train_topk: N_q, each training query's exact top keys linked by roar.
-  speculative: attend over the previous step's retrieved ids with the current query while
-    host threads search for the next step; KV-head groups whose mean query cosine similarity
-    to the previous step falls below `tau` are searched again synchronously (correction).
+  speculative: per_layer: attend over the previous step's retrieved ids with the current query
+    while host threads search for the next step; KV-head groups whose mean query cosine
+    similarity to the previous step falls below `tau` are searched again synchronously
+    (correction). per_step: a KV-head group keeps its latest search while its query stays within
+    `tau` of the query that search used (and its tail slots hold every token stored since), so a
+    step searches only the groups that drifted (kvjax.prefetch_runtime).
   tau: correction threshold in [0, 1]; 1.0 corrects every group (= the non-speculative path).
   implementation: device kernel, "auto" | "pallas" | "xla".
   bridge: "per_layer" (one host callback per retrieval layer inside the step: exact current-query
     search, or `speculative`) or "per_step" (one host exchange between steps: every head uses
-    the previous step's selection, no correction; see kvjax.prefetch_runtime).
-  tail_slots: per_step only: buffer rows for stored tokens the background has not indexed yet.
+    the selection of a previous step's query, no synchronous correction; see
+    kvjax.prefetch_runtime).
+  tail_slots: per_step only: buffer rows for stored tokens a head's latest search could not return
+    (not indexed yet, or with `speculative` indexed after that search).
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
@@ -190,9 +195,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"ef={self.ef} must be >= 1")
     if self.bridge not in BRIDGES:
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
-    if self.bridge == "per_step" and self.speculative:
-      raise ValueError("speculative=True applies to bridge='per_layer'; bridge='per_step' always reuses "
-                       "the previous step's selection")
     if self.tail_slots < 1:
       raise ValueError(f"tail_slots={self.tail_slots} must be >= 1")
     if self.lag not in (1, 2):
@@ -256,8 +258,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
-      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots,
-                                              background_threads=host_runtime.available_cores(), **common)
+      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, speculative=self.speculative,
+                                              tau=self.tau, background_threads=host_runtime.available_cores(),
+                                              **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
