@@ -147,6 +147,8 @@ def main(argv):
              wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
                            - median("gather_seconds"), 3),
              tau=FLAGS.tau, searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
+             searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
+             search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),
              shipped_rows=int(np.median(shipped)), slots=L * Hq * (FLAGS.topk + 8),
              update_bytes=int(np.median(packed_bytes)))
   rows = [row, compare]

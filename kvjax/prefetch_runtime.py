@@ -88,6 +88,7 @@ class PrefetchRuntime(HostRuntime):
     # Per (layer, seq, query head): the query of its latest search [L, B, Hq, D], that search's
     # ids [L, B, Hq, k] and the tokens indexed when it ran [L, B, Hq] (it saw ids below that).
     self._last_query = self._last_found = self._seen = None
+    self._exchanges = 0  # prefetch_step calls: the phase of the rotating refresh
 
   def close(self) -> None:
     self._prefetcher.shutdown(wait=True, cancel_futures=True)
@@ -224,17 +225,22 @@ class PrefetchRuntime(HostRuntime):
   def _heads_to_search(self, layers, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B] -> [T, B, Hq]
     """Which (layer, seq, query head)s search at this step: all of them, or with `speculative`
     the KV-head groups whose mean cosine between this query and the query of their latest search
-    fell below `tau`, or whose tail could not hold the tokens stored since that search (a group
-    that keeps its search attends those tokens in its tail slots, so nothing is lost). Counted in
-    corrected_groups / speculated_groups."""
+    fell below `tau`, plus a rotating 1 / (tail_slots // 2) of the groups. A group that keeps its
+    search attends the tokens stored since in its tail slots, so nothing is lost; the rotation
+    searches each group before its tail fills, spread evenly over the steps (refreshing every
+    group when its tail filled searched them all in the same step, all of them having started
+    together). Counted in corrected_groups / speculated_groups."""
     T, B, Hq = len(layers), queries.shape[1], queries.shape[2]
+    self._exchanges += 1
     if first or not self.speculative:
       return np.ones((T, B, Hq), bool)
     G = self.context.group
     drift = _group_mean_cosine(queries[layers].reshape(T * B, Hq, -1), self._last_query[layers].reshape(T * B, Hq, -1),
                                Hq // G).reshape(T, B, Hq // G) < self.tau
+    period = max(1, self.tail_slots // 2)
+    due = (np.arange(T * B * (Hq // G)).reshape(T, B, Hq // G) + self._exchanges) % period == 0
     unseen = (stored[..., None] - self._seen[layers]).reshape(T, B, Hq // G, G).max(axis=-1)
-    redo = drift | (unseen > self.tail_slots)
+    redo = drift | due | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
     self.stats.corrected_groups += int(redo.sum())
     self.stats.speculated_groups += int((~redo).sum())
     return np.repeat(redo, G, axis=-1)
