@@ -4,7 +4,7 @@ attention-recovery studies).
 What a one- or two-step-old selection costs. kvjax's `retrieval(bridge="per_step")` attends at
 step t the keys searched with the query of step t-1 (lag 1) or t-2 (lag 2); `speculative=True`
 reuses the t-1 selection of a GQA group unless the group-mean cos(q_t, q_{t-1}) falls below
-`tau` (FreeKV's correction test, `kvjax.host_runtime._group_mean_cosine`). On vectors captured
+`tau` (FreeKV's correction test, `kvjax.host_runtime.group_mean_cosine`). On vectors captured
 by experiments/recall.py (post-RoPE q and k of every layer, a prompt of N tokens then greedy
 decode steps; the .npz cache is reused, or the model is run once), per full-attention layer:
 

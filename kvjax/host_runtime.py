@@ -261,7 +261,7 @@ class HostRuntime:
     else:
       ids, scanned = background  # ids of the previous query: the speculative selection
       self._score_reuse(layer, ids)
-      correct = _group_mean_cosine(queries, previous, Hkv) < self.tau  # [B, Hkv]
+      correct = group_mean_cosine(queries, previous, Hkv) < self.tau  # [B, Hkv]
       if correct.any():
         heads = np.repeat(correct, Hq // Hkv, axis=1)  # [B, Hq]
         fresh, fresh_scanned = self._search(layer, queries, heads=heads)
@@ -314,7 +314,7 @@ def _with_unindexed(
   return np.concatenate([ids, tail], axis=-1)
 
 
-def _group_mean_cosine(
+def group_mean_cosine(
     queries,  # [B, Hq, D]
     previous,  # [B, Hq, D]
     kv_heads: int,

@@ -45,7 +45,7 @@ import time
 import numpy as np
 
 import host_index
-from kvjax.host_runtime import HostRuntime, _group_mean_cosine, available_cores, reuse_hits
+from kvjax.host_runtime import HostRuntime, available_cores, group_mean_cosine, reuse_hits
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -154,6 +154,7 @@ class PrefetchRuntime(HostRuntime):
       self._seen = np.zeros((L, B, Hq), np.int64)
     stored = np.array([[self.context.store.length(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
     indexed = np.array([[self.context.indexed(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
+    self._exchanges += 1
     searched = self._heads_to_search(layers, queries, stored, first)  # [T, B, Hq] bool
     found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,
                                                 heads=searched, threads=self.search_threads)  # [T, B, Hq, k]
@@ -231,11 +232,10 @@ class PrefetchRuntime(HostRuntime):
     group when its tail filled searched them all in the same step, all of them having started
     together). Counted in corrected_groups / speculated_groups."""
     T, B, Hq = len(layers), queries.shape[1], queries.shape[2]
-    self._exchanges += 1
     if first or not self.speculative:
       return np.ones((T, B, Hq), bool)
     G = self.context.group
-    drift = _group_mean_cosine(queries[layers].reshape(T * B, Hq, -1), self._last_query[layers].reshape(T * B, Hq, -1),
+    drift = group_mean_cosine(queries[layers].reshape(T * B, Hq, -1), self._last_query[layers].reshape(T * B, Hq, -1),
                                Hq // G).reshape(T, B, Hq // G) < self.tau
     period = max(1, self.tail_slots // 2)
     due = (np.arange(T * B * (Hq // G)).reshape(T, B, Hq // G) + self._exchanges) % period == 0

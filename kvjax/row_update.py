@@ -101,9 +101,10 @@ def warm_scatter(
   of padding only (every dest past the buffers: dropped, nothing written), so no decode step
   compiles one. Returns the (unchanged) buffers.
 
-  Why: each padded size is its own compile (~70-100 ms on the H200), and an update's size drifts
-  over a decode: retrieval per_step at SmolLM2 shapes, 128K, spent 76-100 ms on 7 of its first 30
-  steps in `land` against a 0.41 ms median, where a second decode in the same process spent none
+  Why: each padded size is its own compile, and an update's size drifts over a decode: retrieval
+  per_step at SmolLM2 shapes, 128K, spent 76-100 ms on 7 of its first 30 steps in `land` against a
+  0.41 ms median, and a second decode in the same process had no such step, most likely because
+  the sizes were compiled by then
   (experiments/results/bench_scale_smollm2shapes_synthetic_128k_roar_kv_room.md). Compiling
   neighbouring sizes during decode instead (a421b5b) slowed the steady steps: here every size
   compiles before the first step. The padding is made on the buffers' device and committed to it,

@@ -19,7 +19,7 @@ def _vectors(rng, n, d, *, scale=1.0):
 
 
 def test_cosine_and_group_mean_match_the_runtime():
-  from kvjax.host_runtime import _group_mean_cosine
+  from kvjax.host_runtime import group_mean_cosine
 
   rng = np.random.default_rng(0)
   a = _vectors(rng, 6 * 8, 16).reshape(6, 8, 16)  # [steps, Hq, D]
@@ -28,7 +28,7 @@ def test_cosine_and_group_mean_match_the_runtime():
   direct = np.einsum("shd,shd->sh", a, b) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
   np.testing.assert_allclose(qd.cosine(a, b), direct, rtol=1e-5)
   # FreeKV's test as kvjax computes it: [B, Hq, D] -> [B, Hkv]; group_mean takes heads first.
-  np.testing.assert_allclose(qd.group_mean(qd.cosine(a, b).T, 2).T, _group_mean_cosine(a, b, 2), rtol=1e-5)
+  np.testing.assert_allclose(qd.group_mean(qd.cosine(a, b).T, 2).T, group_mean_cosine(a, b, 2), rtol=1e-5)
   with pytest.raises(ValueError, match="not a multiple"):
     qd.group_mean(np.zeros((7, 3)), 2)
 
