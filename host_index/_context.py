@@ -172,6 +172,17 @@ class HostContext:
         """
         return self.store.append(seq, layer, start, keys, values, threads=threads)
 
+    def reserve(self, seq: int, layer: int, n: int) -> None:
+        """Room for n tokens of (seq, layer): the store (KVStore.reserve) and its indexes' node
+        arrays, so neither grows (copies) while decode fills that room.
+
+        Raises:
+            StoreFullError: the store's growth would cross max_bytes (nothing changes).
+        """
+        self.store.reserve(seq, layer, n)
+        for ix in self._ix[seq][layer]:
+            ix.reserve(n)
+
     def append_tokens(self, seqs, layers, starts, keys, values) -> int:
         """One token into each of several (seq, layer) stores, without indexing it; see
         KVStore.append_tokens."""

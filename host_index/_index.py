@@ -153,6 +153,10 @@ class Index:
         own = self._keys.arr.nbytes if isinstance(self._keys, OwnedKeys) else 0
         return self._c.nbytes + own
 
+    def reserve(self, n: int) -> None:
+        """Sizes the node arrays for n keys, so inserting up to n grows (copies) nothing."""
+        self._c.reserve(_dtypes.positive_int(n, "n", allow_zero=True))
+
     def stats(self) -> dict:
         """Build statistics: nodes, pivots, repaired nodes, distance counts, phase times (s)."""
         return self._c.stats()

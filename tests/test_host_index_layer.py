@@ -357,3 +357,26 @@ def test_a_build_sizes_its_nodes_for_the_reserved_room(kind):
         sizes[reserved] = (built, ctx.index(0, 0, 0).nbytes)
     assert sizes[True][0] == sizes[True][1]  # reserved: no growth
     assert sizes[False][1] > sizes[False][0]  # not reserved: the inserts grew it
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_reserve_sizes_built_indexes_for_the_room(kind):
+    """HostContext.reserve after a build (as a loaded context's decode room is reserved) grows
+    the node arrays then, not on the inserts that fill the room."""
+    n, room = 300, 64
+    ctx = make(kind, n=n + room, build=False)  # rows past n are appended later, as decode does
+    ctx2 = hi.HostContext(1, 1, HQ, HKV, D, kind=kind)
+    k, v = ctx.store.keys(0, 0), ctx.store.values(0, 0)
+    ctx2.append(0, 0, 0, k[:, :n], v[:, :n])
+    rng = np.random.default_rng(1)
+    tq = rng.standard_normal((1, HQ, 40, D)).astype(np.float32) if kind == "roar" else None
+    ctx2.build_layer(0, train_queries=tq, threads=1)
+    built = ctx2.index(0, 0, 0).nbytes
+    ctx2.reserve(0, 0, n + room)
+    reserved = ctx2.index(0, 0, 0).nbytes
+    assert reserved > built and ctx2.store.capacity(0, 0) >= n + room
+    ctx2.append(0, 0, n, k[:, n:], v[:, n:])
+    ctx2.index_stored([0], [0], queries=rng.standard_normal((1, HQ, room, D)).astype(np.float32), threads=1)
+    assert len(ctx2.index(0, 0, 0)) == n + room and ctx2.index(0, 0, 0).nbytes == reserved
+    with pytest.raises(ValueError, match="n="):
+        ctx2.reserve(0, 0, -1)

@@ -416,6 +416,24 @@ static PyObject *Index_restore(IndexObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* reserve(n): node arrays for n keys, so inserts up to n do not grow (copy) them. */
+static PyObject *Index_reserve(IndexObject *self, PyObject *args) {
+  Py_ssize_t n;
+  if (ready(self) < 0) return NULL;
+  if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+  if (n < 0 || n > INT32_MAX - 1) {
+    PyErr_SetString(PyExc_ValueError, "reserve: n out of range");
+    return NULL;
+  }
+  int err;
+  Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
+  err = hi_index_reserve(&self->ix, n > 0 ? n : 1);
+  pthread_rwlock_unlock(&self->ix.lock);
+  Py_END_ALLOW_THREADS
+  if (raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 static PyObject *Index_stats(IndexObject *self, PyObject *unused) {
   (void)unused;
   if (ready(self) < 0) return NULL;
@@ -449,6 +467,7 @@ static PyMethodDef Index_methods[] = {
     {"insert", (PyCFunction)Index_insert, METH_VARARGS, "Index keys n..n_total-1."},
     {"export", (PyCFunction)Index_export, METH_NOARGS, "State arrays as bytes."},
     {"restore", (PyCFunction)Index_restore, METH_VARARGS, "Inverse of export."},
+    {"reserve", (PyCFunction)Index_reserve, METH_VARARGS, "Node arrays for n keys."},
     {"stats", (PyCFunction)Index_stats, METH_NOARGS, "Build statistics."},
     {NULL, NULL, 0, NULL}};
 

@@ -236,16 +236,20 @@ class HostBackedMixin:
   stages_prefill = True
 
   def reserve_decode_room(self, cfg: ModelConfig, context, capacity: int) -> None:
-    """Sizes every host-resident (seq, layer) store for all the tokens decode can evict (the
-    host holds positions from `sinks` on, the device the last `window`), so no decode step
-    pays an amortized growth: a copy of the whole layer, ~130 MB for 8B shapes at 32K, that
-    cost 30-50 ms per step on average in bench_decode before this."""
+    """Sizes every host-resident (seq, layer) store and its indexes for all the tokens decode can
+    evict (the host holds positions from `sinks` on, the device the last `window`), so no decode
+    step pays an amortized growth: a copy of the whole layer, ~130 MB for 8B shapes at 32K, that
+    cost 30-50 ms per step on average in bench_decode before this; and of every index's node
+    arrays, which made the first step of a 128K SmolLM2-shape decode ~700 ms, a reloaded
+    context's too (bench_scale_smollm2shapes_synthetic_128k_roar_kv_parts.md). A fresh build
+    sizes them from the reserved store; a load restores them at their saved size, and this
+    grows them at load time instead."""
     room = max(0, capacity - self.sinks - self.window)
     dense = set(self.dense_layer_ids(cfg)) if hasattr(self, "dense_layer_ids") else set()
     for layer in range(cfg.num_layers):
       if layer not in dense:
         for seq in range(context.num_seqs):
-          context.store.reserve(seq, layer, room)
+          context.reserve(seq, layer, room)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
