@@ -12,7 +12,7 @@ Public API:
   count_common(a, b)                          per row, ids of a found in b
   key_neighbours(keys, count)                 each key's nearest keys (roar's connect candidates)
   HostContext                                 store + per-(seq, layer, head) indexes:
-                                              build_layer, insert / insert_many, attend,
+                                              build_layer, reserve, insert / insert_many, attend,
                                               search, attend_ids, fetch_pages, save / load
 """
 
