@@ -13,9 +13,11 @@ one prefill and index build (saved once with kvjax.save_context, loaded per poli
 builds at 128K for 8B shapes take minutes per layer group: pass `--index=ivf` for such sizes.
 
 `--prompt=text` (real models) feeds essay-like haystack text instead of random token ids, so
-query drift, correction and hit rates are those of natural text. When both retrieval rows ran,
-a summary row gives the share of host search time speculation hides:
-1 - (critical-path host time with speculation) / (critical-path host time without it).
+query drift, correction and hit rates are those of natural text. Summary rows give the share of
+host search time speculation hides where both rows of a pair ran (host_phases.hidden_shares):
+1 - (critical-path host ms with speculation) / (host search + attention ms without it), for
+`retrieval_spec` against `retrieval` and the per_step lag-2 rows against `retrieval_step`.
+`--roar_heads=kv` builds one roar graph per KV head (the per_step rows' 128K setting).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 from absl import app, flags
 
 import kvjax
+import host_phases
 import results_io
 from context_reuse import ContextReuse
 from kvjax import prompts as prompts_lib
@@ -39,6 +42,7 @@ POLICIES = {
     "retrieval_spec": ("retrieval", {"speculative": True}),
     "retrieval_step": ("retrieval", {"bridge": "per_step"}),
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
+    "retrieval_step_lag2_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "speculative": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
@@ -52,6 +56,8 @@ flags.DEFINE_string("model", "random:llama3-8b", "Model name.")
 flags.DEFINE_list("policies", list(POLICIES), f"Policies to time, from {list(POLICIES)}.")
 flags.DEFINE_string("index", "graph", "Host index of the retrieval policies.")
 flags.DEFINE_integer("retrieval_topk", 100, "Top-k of the retrieval policies.")
+flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "--index=roar: one graph per query head or per KV head "
+                  "(default: the policy's).")
 flags.DEFINE_list("context_lens", ["32768"], "Prompt lengths.")
 flags.DEFINE_list("batches", ["1"], "Batch sizes.")
 flags.DEFINE_integer("steps", 32, "Decode steps per policy.")
@@ -93,14 +99,24 @@ def run(model, key: str, context_len: int, batch: int, contexts: ContextReuse) -
   options = dict(options)
   if name == "retrieval":
     options |= dict(index=FLAGS.index, topk=FLAGS.retrieval_topk)
+    if FLAGS.roar_heads:
+      options["roar_heads"] = FLAGS.roar_heads
   build = lambda: kvjax.prefill(model, make_prompts(model, context_len, batch), max_new_tokens=FLAGS.steps,
                                 policy=name, policy_options=options, prefill_chunk=4096)
   context, prefill_total = contexts.get(model, name, options, (context_len, batch), build)
-  result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[])
+  phases = host_phases.HostPhases(context)
+  result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=phases.on_step)
   row = dict(policy=key, describe=result.policy, context=context_len, batch=batch,
              prefill_and_index_s=round(prefill_total, 2))
-  row |= results_io.decode_fields(result)
-  return row
+  return row | results_io.decode_fields(result) | phases.medians()
+
+
+# host_phases.hidden_shares' pairs: the per-layer bridge's speculative row against plain
+# retrieval (in-callback host time), and the per_step rows against its synchronous lag 1
+# (their whole host time between steps).
+HIDING = [("retrieval_spec", "attend_ms_median", "retrieval"),
+          ("retrieval_step_lag2", "after_step_ms", "retrieval_step"),
+          ("retrieval_step_lag2_spec", "after_step_ms", "retrieval_step")]
 
 
 def main(argv):
@@ -125,34 +141,10 @@ def main(argv):
           row = dict(policy=key, context=context_len, batch=batch, error=f"{type(e).__name__}: {e}"[:300])
         print(row, flush=True)
         rows.append(row)
-        if key == FLAGS.policies[-1] and (summary := hidden_share(rows, context_len, batch)):
-          print(summary, flush=True)
-          rows.append(summary)
         # Written after every row: a run cut short by a time limit keeps what it measured.
-        results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes())
+        hidden = host_phases.hidden_shares(rows, case=("context", "batch"), pairs=HIDING)
+        results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=hidden)
   contexts.close()
-
-
-def hidden_share(rows, context_len: int, batch: int) -> dict | None:
-  """The share of host search + attention time that speculation takes off the critical path:
-  1 - (critical-path host ms with it) / (search + attention ms of plain `retrieval`), for
-  retrieval_spec (critical path: its in-step host time) and retrieval_step_lag2 (the wait for
-  its background prefetch)."""
-  by_policy = {r["policy"]: r for r in rows if r.get("context") == context_len and r.get("batch") == batch}
-  plain = by_policy.get("retrieval")
-  if not plain or not plain.get("attend_ms_per_step"):
-    return None
-  shares = {}
-  if "attend_ms_per_step" in by_policy.get("retrieval_spec", {}):
-    shares["retrieval_spec"] = 1 - by_policy["retrieval_spec"]["attend_ms_per_step"] / plain["attend_ms_per_step"]
-  if "step_wait_ms_per_step" in by_policy.get("retrieval_step_lag2", {}):
-    lag2 = by_policy["retrieval_step_lag2"]["step_wait_ms_per_step"]
-    shares["retrieval_step_lag2"] = 1 - lag2 / plain["attend_ms_per_step"]
-  if not shares:
-    return None
-  return dict(policy="speculation_hides", context=context_len, batch=batch,
-              describe="1 - critical-path host ms / plain retrieval's search + attention ms",
-              **{f"hidden_share_{k}": round(v, 3) for k, v in shares.items()})
 
 
 if __name__ == "__main__":

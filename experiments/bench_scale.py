@@ -18,7 +18,9 @@ tokens_per_s (batch / decode_ms), prefill_and_index_s (prefill or synthetic fill
 policy's offload and index build; a retrieval row that only differs in decode options from an
 earlier one reloads that row's saved context and repeats its figure), device state bytes, host bytes (store + indexes) and host
 callbacks per step. Summary rows: each policy's decode_ms relative to its shortest context
-(growth), and its best tokens/s over the batches at each length.
+(growth), and its best tokens/s over the batches at each length; with `retrieval_step_lag1_kv`
+in the run, the share of host time each lag-2 `_kv` row takes off the critical path
+(host_phases.hidden_shares).
 
 On a CPU it runs with simulated devices (`jax_num_cpu_devices` is set to the largest
 --devices), which proves the program, not its speed: do not record CPU numbers as results.
@@ -35,11 +37,14 @@ import jax
 import numpy as np
 from absl import app, flags
 
+import host_phases
+
 POLICIES = {
     "full": ("full", {}),
     "retrieval": ("retrieval", {}),
     "retrieval_spec": ("retrieval", {"speculative": True}),
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
+    "retrieval_step_lag1_kv": ("retrieval", {"bridge": "per_step", "lag": 1, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                   "speculative": True}),
@@ -159,7 +164,7 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
 
   context, prefill_total = contexts.get(model, name, options, (devices, length, batch), build)
   trace = {}
-  phases = HostPhases(context)
+  phases = host_phases.HostPhases(context)
   if FLAGS.trace:
     import gpu_trace
     tracer = gpu_trace.StepTracer(first=1)
@@ -186,32 +191,6 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
   return row
 
 
-class HostPhases:
-  """Per-step host phase times of a host-backed policy: the runtime's cumulative `*_seconds`
-  counters read after every decode step; `medians()` gives each phase's median ms per step
-  over the steps after the first (the row's `*_ms_per_step` means include one-off work, such
-  as a first step's catch-up indexing). With lag 2 a background job's time lands in the step
-  during which it finished."""
-
-  def __init__(self, context):
-    policy = context.policy
-    self.runtime = policy.runtime(context.state) if hasattr(policy, "runtime") else None
-    self.snapshots = []
-
-  def on_step(self, step: int) -> None:
-    del step
-    if self.runtime is not None:
-      stats = self.runtime.stats.as_dict()
-      self.snapshots.append({k: v for k, v in stats.items() if k.endswith("_seconds")})
-
-  def medians(self) -> dict:
-    snaps = self.snapshots  # after steps 1, 2, ...: consecutive differences are steps 2, 3, ...
-    if len(snaps) < 2:
-      return {}
-    return {f"{k.removesuffix('_seconds')}_ms_median": round(1e3 * float(np.median(
-        [b[k] - a[k] for a, b in zip(snaps, snaps[1:])])), 3) for k in snaps[0]}
-
-
 def summaries(rows: list[dict]) -> list[dict]:
   """Growth of decode_ms with the context (batch 1 where measured, else the smallest batch) and
   the best tokens/s over the batches, per (devices, policy)."""
@@ -230,6 +209,12 @@ def summaries(rows: list[dict]) -> list[dict]:
     out.append(dict(devices=devices, policy=key, growth_batch=batch, growth_from=shortest, **growth,
                     **{f"best_tokens_per_s_{n}": f"{t} (batch {b})" for n, (t, b) in sorted(best.items())}))
   return out
+
+
+# hidden_shares' pairs: each lag-2 `_kv` row's whole host time between steps against the
+# synchronous exchange (lag 1: the host searches and gathers between the steps).
+HIDING = [(key, "after_step_ms", "retrieval_step_lag1_kv")
+          for key in ("retrieval_step_lag2_kv", "retrieval_step_lag2_kv_spec")]
 
 
 def main(argv):
@@ -295,7 +280,8 @@ def main(argv):
           print(row, flush=True)
           rows.append(row)
           # Written after every row: a run cut short by a time limit keeps what it measured.
-          results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=summaries(rows))
+          results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes(), summary=summaries(rows) +
+                                   host_phases.hidden_shares(rows, case=("devices", "context", "batch"), pairs=HIDING))
           if kernels:
             results_io.write_results(f"{FLAGS.name}_kernels", kernels, out_dir=FLAGS.out_dir,
                                      notes="Kernel groups by device time per decode step (profiler trace from the "

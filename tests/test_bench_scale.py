@@ -72,3 +72,15 @@ def test_ragged_batches_through_a_host_backed_policy(tmp_path):
   # per-step host phase medians from the runtime's counters, steps after the first
   assert per_layer["callback_ms_median"] > 0 and per_step["exchange_ms_median"] > 0
   assert per_step["callback_ms_median"] == 0  # per_step makes no callback
+
+
+def test_per_step_rows_report_the_share_of_host_time_lag_2_hides(tmp_path):
+  doc = run_bench(tmp_path, "hides", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
+                  "--context_lens=2048", "--policies=retrieval_step_lag1_kv,retrieval_step_lag2_kv", "--index=roar",
+                  "--sinks=32", "--window=64")
+  sync, lag2 = doc["rows"]
+  assert "per KV head" in sync["describe"], sync["describe"]
+  (share,) = [s for s in doc["summary"] if "hidden_share" in s]
+  assert share["policy"] == "retrieval_step_lag2_kv" and share["against"] == "retrieval_step_lag1_kv"
+  assert share["sync_search_attend_ms"] == sync["attend_ms_median"] > 0
+  assert share["hidden_share"] == pytest.approx(1 - lag2["after_step_ms"] / sync["attend_ms_median"], abs=1e-3)
