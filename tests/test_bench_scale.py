@@ -40,13 +40,14 @@ def test_synthetic_contexts_at_two_lengths_and_batches(tmp_path):
 
 def test_retrieval_rows_share_one_index_build(tmp_path):
   doc = run_bench(tmp_path, "shared", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
-                  "--context_lens=2048", "--policies=retrieval,retrieval_spec", "--index=flat", "--sinks=32",
+                  "--context_lens=2048", "--policies=retrieval_spec,retrieval", "--index=flat", "--sinks=32",
                   "--window=64", "--switch_interval=0.001,0.005")
   rows = doc["rows"]
   assert [(r["policy"], r["switch_interval"]) for r in rows] == [
-      ("retrieval", 0.001), ("retrieval", 0.005), ("retrieval_spec", 0.001), ("retrieval_spec", 0.005)]
+      ("retrieval_spec", 0.001), ("retrieval_spec", 0.005), ("retrieval", 0.001), ("retrieval", 0.005)]
   assert not [r for r in rows if "error" in r], rows
-  plain, spec = rows[0], rows[2]
+  # the plain rows load the speculative row's saved context: its decode options are not theirs
+  spec, plain = rows[0], rows[2]
   assert "speculative" in spec["describe"] and "speculative" not in plain["describe"]
   # every row decodes the loaded context's build, not a new one
   assert {r["prefill_and_index_s"] for r in rows} == {plain["prefill_and_index_s"]}
