@@ -63,18 +63,47 @@ def slot_stores(
   return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
 
 
+def successor_ids(found, stored, count: int):  # found [T, B, Hq, k], stored [T, B] -> [T, B, Hq, k * count]
+  """The `count` store ids after each found one (-1 where none was found or past the store).
+
+  Why: a selection made with the query of step t - lag serves step t. Heads that read a span
+  token by token (copying a number, say) attend one position further at each step, so the
+  position they need at step t is up to `lag` past the one the older query found. Measured on
+  SmolLM2 niah_single_2 at 4K: lag 2 without them found 0.36 of the needles full found 0.98 of,
+  with exact (flat) search too (experiments/results/ruler_smollm2_4k_niah2_step_*)."""
+  ids = found[..., None] + np.arange(1, count + 1)
+  ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
+  return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
+
+
+def drop_repeats(rows):  # rows [..., S] int64 store ids, -1 = empty -> [..., S]
+  """Each row with every repeated id after its first occurrence (in sorted order) set to -1."""
+  order = np.argsort(rows, axis=-1, kind="stable")
+  ranked = np.take_along_axis(rows, order, axis=-1)
+  repeat = np.zeros(rows.shape, bool)
+  repeat[..., 1:] = (ranked[..., 1:] == ranked[..., :-1]) & (ranked[..., 1:] >= 0)
+  out = rows.copy()
+  np.put_along_axis(out, order, np.where(repeat, -1, ranked), axis=-1)
+  return out
+
+
 class PrefetchRuntime(HostRuntime):
   """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
 
   tail_slots: buffer rows per query head kept for stored-but-unindexed tokens; when more are
-  pending (the background indexing fell behind) they are indexed synchronously first.
+    pending (the background indexing fell behind) they are indexed synchronously first.
+  successors: the tokens following each retrieved one that the selection adds (see
+    `successor_ids`).
   """
 
-  def __init__(self, context, *, tail_slots: int, **kwargs):
+  def __init__(self, context, *, tail_slots: int, successors: int = 0, **kwargs):
     super().__init__(context, **kwargs)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
+    if successors < 0:
+      raise ValueError(f"successors={successors} must be >= 0")
     self.tail_slots = int(tail_slots)
+    self.successors = int(successors)
     self.search_threads = available_cores()  # nothing else runs on the host during the search
     self.buffers = StepBuffers()
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
@@ -124,7 +153,7 @@ class PrefetchRuntime(HostRuntime):
 
   @property
   def slots(self) -> int:
-    return self.topk + self.tail_slots
+    return self.topk * (1 + self.successors) + self.tail_slots
 
   def prefetch_step(
       self,
@@ -170,8 +199,12 @@ class PrefetchRuntime(HostRuntime):
     # The selections, in no slot order (each head's latest top-k, then every stored token that
     # search could not return); dense layers' slots stay empty.
     wanted = self.slot_ids.copy()
+    found_end = self.topk * (1 + self.successors)
     wanted[layers, :, :, :self.topk] = found
-    wanted[layers, :, :, self.topk:] = self._tail_ids(self._seen[layers], stored)
+    wanted[layers, :, :, self.topk:found_end] = successor_ids(found, stored, self.successors)
+    wanted[layers, :, :, found_end:] = self._tail_ids(self._seen[layers], stored)
+    if self.successors:  # a successor may be retrieved, or in the tail, already: attended once
+      wanted[layers] = drop_repeats(wanted[layers])
     self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result

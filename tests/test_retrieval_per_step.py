@@ -15,7 +15,7 @@ import kvjax
 from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime
+from kvjax.prefetch_runtime import PrefetchRuntime, drop_repeats, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
@@ -24,7 +24,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
 
 
 @pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
-                                          ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2})])
+                                          ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2}),
+                                          ("flat", {"lag": 2, "successors": 2})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   prompts = [random_prompt(53), random_prompt(21, seed=5)]  # ragged; 24 steps > window: evictions
@@ -97,7 +98,7 @@ def test_no_host_callback_inside_the_step(monkeypatch):
   assert result.policy_stats["callbacks"] == len(result.tokens[0])  # one exchange per step + one at prefill
 
 
-def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat"):
+def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat", successors=0):
   """A PrefetchRuntime over one sequence and 2 layers holding `keys`/`values` [L, Hkv, n, D]."""
   L, Hkv, n, D = keys.shape
   context = host_index.HostContext(1, L, 2 * Hkv, Hkv, D, dtype="float32", kind=kind)
@@ -105,7 +106,7 @@ def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat"):
     context.append(0, layer, 0, keys[layer], values[layer])
     context.build_layer(layer)
   return PrefetchRuntime(context, tail_slots=tail_slots, sinks=sinks, window=8, topk=topk, ef=None, scale=D**-0.5,
-                         background_threads=1)
+                         background_threads=1, successors=successors)
 
 
 class DeviceMirror:
@@ -122,6 +123,40 @@ class DeviceMirror:
     for buf, new in ((self.k, update.k), (self.v, update.v), (self.ids, update.ids)):
       buf.reshape(-1, *new.shape[1:])[update.dest[real]] = new[real]
     return self.k, self.v, self.ids >= 0
+
+
+def test_successor_ids_follow_each_found_id_within_the_store():
+  found = np.array([[[[3, 7, -1, 8]]]])  # [T, B, Hq, k]; store of 9 tokens (ids 0..8)
+  got = successor_ids(found, np.array([[9]]), 2)
+  np.testing.assert_array_equal(got, [[[[4, 5, 8, -1, -1, -1, -1, -1]]]])
+  assert successor_ids(found, np.array([[9]]), 0).shape == (1, 1, 1, 0)
+
+
+def test_drop_repeats_keeps_each_id_once_at_its_first_slot():
+  rows = np.array([[5, -1, 4, 5, 6, -1, 4, 7], [1, 1, 1, -1, 2, 3, 2, 0]])
+  np.testing.assert_array_equal(drop_repeats(rows), [[5, -1, 4, -1, 6, -1, -1, 7], [1, -1, -1, -1, 2, 3, -1, 0]])
+
+
+def test_successors_extend_the_selection_by_the_following_tokens():
+  """A small top-k with successors selects exactly top-k, each found id's followers within the
+  store and the unindexed tail, each once (successors lag behind a stale query's find)."""
+  rng = np.random.default_rng(1)
+  L, Hkv, n, D, topk = 1, 1, 30, 8, 4
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=topk, successors=2)
+  queries = rng.standard_normal((L, 1, 2, D), dtype=np.float32)
+  evicted_pos = np.array([[-1]])
+  try:
+    assert runtime.slots == topk * 3 + runtime.tail_slots
+    runtime.prefetch_step([0], queries, *np.zeros((2, L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2, D), np.float32),
+                          evicted_pos)
+    for h in range(2):
+      top = np.argsort(-(keys[0, 0] @ queries[0, 0, h]))[:topk]
+      expect = {int(i) + j for i in top for j in range(3) if i + j < n}
+      ids = runtime.slot_ids[0, 0, h]
+      assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once
+  finally:
+    runtime.close()
 
 
 def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
@@ -251,6 +286,8 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(bridge="per_step", lag=3), "lag=3"),
     (dict(lag=2), "lag=2 applies"),
     (dict(index="flat", roar_heads="kv"), "roar_heads='kv'"),
+    (dict(bridge="per_step", successors=-1), "successors=-1"),
+    (dict(successors=2), "successors=2 applies"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):

@@ -152,6 +152,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
+  successors: per_step only: the tokens following each retrieved one also attended (default:
+    `lag`; 0 turns them off), for heads that move one position a step through a span the older
+    query found (kvjax.prefetch_runtime.successor_ids); the row buffers hold
+    topk * (1 + successors) + tail_slots rows per query head.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -174,6 +178,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   bridge: str = "per_layer"
   tail_slots: int = 8
   lag: int = 1
+  successors: int | None = None
   transfer: str = "page_locked"
   roar_heads: str = "query"
   name: str = "retrieval"
@@ -201,6 +206,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"lag={self.lag}; expected 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
       raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
+    if self.successors is None:  # lag 2's selection is two positions behind a copying head
+      object.__setattr__(self, "successors", self.lag if self.bridge == "per_step" else 0)
+    if self.successors < 0:
+      raise ValueError(f"successors={self.successors} must be >= 0")
+    if self.successors and self.bridge != "per_step":
+      raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.roar_heads not in ("query", "kv"):
@@ -215,9 +226,15 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step":
       spec += (", one host exchange per step (previous step's selection)" if self.lag == 1 else
                ", host works while the device computes (selection of two steps back)")
+      spec += f", +{self.successors} following tokens each" if self.successors else ""
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
+
+  @property
+  def slots_per_head(self) -> int:
+    """per_step: device buffer rows per (layer, seq, query head)."""
+    return self.topk * (1 + self.successors) + self.tail_slots
 
   # -- state -----------------------------------------------------------------------------
 
@@ -231,7 +248,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime = self.new_runtime(cfg, context)
     train = min(self.train_queries, capacity)
     n = L if self.bridge == "per_step" else 0
-    slots = self.topk + self.tail_slots
+    slots = self.slots_per_head
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
         ring_q=jnp.zeros((L, batch, Hq, self.window, D), dtype),
@@ -258,16 +275,18 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
-      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, speculative=self.speculative,
+      return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
+                                              speculative=self.speculative,
                                               tau=self.tau, background_threads=host_runtime.available_cores(),
                                               **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
     slots = state.buf_k.shape[3]
-    if self.bridge == "per_step" and slots != self.topk + self.tail_slots:
+    if self.bridge == "per_step" and slots != self.slots_per_head:
       raise ValueError(f"topk={self.topk}: this per_step context was prefilled with buffers of {slots} rows "
-                       f"= topk + tail_slots ({self.tail_slots}); topk cannot change at decode with per_step")
+                       f"= topk * (1 + successors ({self.successors})) + tail_slots ({self.tail_slots}); "
+                       "topk cannot change at decode with per_step")
     state = super().attach_host(cfg, state, context)
     if self.bridge == "per_step":  # the host's record of what the loaded device buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
