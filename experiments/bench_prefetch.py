@@ -46,6 +46,8 @@ flags.DEFINE_integer("profile_top", 12, "Functions listed by own time.")
 flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculative=True): a KV-head group keeps its "
                    "latest search while its query stays within this cosine of that search's query; unset: every "
                    "head searches every step.")
+flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
+                     "per_step's `successors`, whose default there is its lag).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
 FLAGS = flags.FLAGS
@@ -65,7 +67,7 @@ def build_runtime(rng) -> PrefetchRuntime:
     context.store.reserve(0, layer, n + FLAGS.steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
-                            background_threads=available_cores(), **speculation)  # as retrieval's per_step runtime
+                            successors=FLAGS.successors, background_threads=available_cores(), **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
 
@@ -146,10 +148,10 @@ def main(argv):
              search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),
              wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
                            - median("gather_seconds"), 3),
-             tau=FLAGS.tau, searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
+             tau=FLAGS.tau, successors=FLAGS.successors, searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
              search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),
-             shipped_rows=int(np.median(shipped)), slots=L * Hq * (FLAGS.topk + 8),
+             shipped_rows=int(np.median(shipped)), slots=L * Hq * runtime.slots,
              update_bytes=int(np.median(packed_bytes)))
   rows = [row, compare]
   stats = pstats.Stats(profiler)

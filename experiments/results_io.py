@@ -98,19 +98,25 @@ def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | N
   stamped documents the rows were copied from (a combined table): their device, JAX and
   commit replace this process's, which measured nothing.
   """
-  directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
-  directory.mkdir(parents=True, exist_ok=True)
   doc = stamp() | (sources_stamp(measured_by) if measured_by else {}) | {"rows": rows}
   if notes:
     doc["notes"] = notes
   if summary is not None:
     doc["summary"] = summary
+  return write_document(name, doc, out_dir=out_dir)
+
+
+def write_document(name: str, doc: dict, *, out_dir: str | os.PathLike | None = None) -> dict:
+  """Writes a stamped document (rows, optional notes and summary) as <name>.json and <name>.md,
+  as measured: also how a correction to a results file is written, its stamp kept."""
+  directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
+  directory.mkdir(parents=True, exist_ok=True)
   (directory / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
   header = f"# {name}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date", "command"))
-  if notes:
-    header += f"\n{notes}\n"
-  body = markdown_table(rows)
-  if summary is not None:
-    body = "## Summary\n\n" + markdown_table(summary) + "\n## Rows\n\n" + body
+  if doc.get("notes"):
+    header += f"\n{doc['notes']}\n"
+  body = markdown_table(doc["rows"])
+  if doc.get("summary") is not None:
+    body = "## Summary\n\n" + markdown_table(doc["summary"]) + "\n## Rows\n\n" + body
   (directory / f"{name}.md").write_text(header + "\n" + body)
   return doc

@@ -25,6 +25,7 @@ POLICY_FLAGS = {
     "bridge": "bridge",
     "roar_heads": "roar_heads",
     "lag": "lag",
+    "successors": "successors",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -59,6 +60,9 @@ def define_flags() -> None:
                     "exchange between steps (previous step's selection, no host inside the step).")
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
                        "step t - lag (1: host works between steps; 2: while the device computes).")
+  flags.DEFINE_integer("successors", None, "retrieval per_step bridge: tokens following each retrieved one also "
+                       "attended (default: lag; 0: none), for heads that read on from where a previous step's query "
+                       "found them.")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")
