@@ -67,7 +67,8 @@ def build_runtime(rng) -> PrefetchRuntime:
     context.store.reserve(0, layer, n + FLAGS.steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
-                            successors=FLAGS.successors, background_threads=available_cores(), **speculation)  # as retrieval's per_step runtime
+                            successors=FLAGS.successors, background_threads=available_cores(),
+                            **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
 
@@ -148,7 +149,8 @@ def main(argv):
              search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),
              wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
                            - median("gather_seconds"), 3),
-             tau=FLAGS.tau, successors=FLAGS.successors, searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
+             tau=FLAGS.tau, successors=FLAGS.successors,
+             searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
              search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),
              shipped_rows=int(np.median(shipped)), slots=L * Hq * runtime.slots,

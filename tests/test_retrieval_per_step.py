@@ -333,3 +333,12 @@ def test_padded_size_is_a_short_ladder():
   assert all(s >= n and s % 64 == 0 for s, n in zip(sizes, range(0, 20000, 7)))
   assert max(s / n for s, n in zip(sizes, range(0, 20000, 7)) if n > 512) < 1.27
   assert len(set(sizes)) < 40
+
+
+def test_successors_default_to_the_lag_on_the_per_step_bridge_only():
+  assert RetrievalAttention(bridge="per_step", lag=2).successors == 2
+  assert RetrievalAttention(bridge="per_step").successors == 1
+  assert RetrievalAttention(bridge="per_step", lag=2, successors=0).successors == 0
+  assert RetrievalAttention().successors == 0  # per_layer searches with the step's own query
+  policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4)
+  assert policy.slots_per_head == 10 * 3 + 4 and "+2 following tokens each" in policy.describe()
