@@ -63,15 +63,20 @@ def slot_stores(
   return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
 
 
-def successor_ids(found, stored, count: int):  # found [T, B, Hq, k], stored [T, B] -> [T, B, Hq, k * count]
-  """The `count` store ids after each found one (-1 where none was found or past the store).
+def successor_ids(found, stored, count: int, age=None):
+  """The `count` store ids after each found one, skipping `age` more (-1 where none was found
+  or past the store).
+
+  found [T, B, Hq, k], stored [T, B], age [T, B, Hq] (default 0) -> [T, B, Hq, k * count].
 
   Why: a selection made with the query of step t - lag serves step t. Heads that read a span
   token by token (copying a number, say) attend one position further at each step, so the
-  position they need at step t is up to `lag` past the one the older query found. Measured on
-  SmolLM2 niah_single_2 at 4K: lag 2 without them found 0.36 of the needles full found 0.98 of,
-  with exact (flat) search too (experiments/results/ruler_smollm2_4k_niah2_step_*)."""
-  ids = found[..., None] + np.arange(1, count + 1)
+  position they need at step t is up to `lag` past the one the older query found, and `age`
+  further when a speculative head reuses a search made `age` exchanges ago. Measured on
+  SmolLM2 niah_single_2 at 4K: lag 2 without them found 0.36 of the needles against full's
+  0.98, with exact (flat) search too (experiments/results/ruler_smollm2_4k_niah2_step_*)."""
+  start = found if age is None else found + age[..., None]
+  ids = start[..., None] + np.arange(1, count + 1)
   ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
 
@@ -115,8 +120,9 @@ class PrefetchRuntime(HostRuntime):
     # first: the head is what the step that just ended used.
     self._selections: dict[int, collections.deque] = collections.defaultdict(collections.deque)
     # Per (layer, seq, query head): the query of its latest search [L, B, Hq, D], that search's
-    # ids [L, B, Hq, k] and the tokens indexed when it ran [L, B, Hq] (it saw ids below that).
-    self._last_query = self._last_found = self._seen = None
+    # ids [L, B, Hq, k], the tokens indexed when it ran [L, B, Hq] (it saw ids below that) and
+    # the exchange it ran in [L, B, Hq].
+    self._last_query = self._last_found = self._seen = self._searched_at = None
     self._exchanges = 0  # prefetch_step calls: the phase of the rotating refresh
 
   def close(self) -> None:
@@ -181,6 +187,7 @@ class PrefetchRuntime(HostRuntime):
       self._last_query = np.zeros((L, B, Hq, D), np.float32)
       self._last_found = np.full((L, B, Hq, self.topk), -1, np.int64)
       self._seen = np.zeros((L, B, Hq), np.int64)
+      self._searched_at = np.zeros((L, B, Hq), np.int64)
     stored = np.array([[self.context.store.length(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
     indexed = np.array([[self.context.indexed(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
     self._exchanges += 1
@@ -192,6 +199,7 @@ class PrefetchRuntime(HostRuntime):
     self._last_query[layers] = np.where(searched[..., None], queries[layers], self._last_query[layers])
     self._last_found[layers] = found
     self._seen[layers] = np.where(searched, indexed[..., None], self._seen[layers])
+    self._searched_at[layers] = np.where(searched, self._exchanges, self._searched_at[layers])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
     if self.slot_ids is None:
@@ -201,7 +209,8 @@ class PrefetchRuntime(HostRuntime):
     wanted = self.slot_ids.copy()
     found_end = self.topk * (1 + self.successors)
     wanted[layers, :, :, :self.topk] = found
-    wanted[layers, :, :, self.topk:found_end] = successor_ids(found, stored, self.successors)
+    age = self._exchanges - self._searched_at[layers]  # 0 for the heads that searched now
+    wanted[layers, :, :, self.topk:found_end] = successor_ids(found, stored, self.successors, age)
     wanted[layers, :, :, found_end:] = self._tail_ids(self._seen[layers], stored)
     if self.successors:  # a successor may be retrieved, or in the tail, already: attended once
       wanted[layers] = drop_repeats(wanted[layers])

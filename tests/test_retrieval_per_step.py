@@ -130,6 +130,9 @@ def test_successor_ids_follow_each_found_id_within_the_store():
   got = successor_ids(found, np.array([[9]]), 2)
   np.testing.assert_array_equal(got, [[[[4, 5, 8, -1, -1, -1, -1, -1]]]])
   assert successor_ids(found, np.array([[9]]), 0).shape == (1, 1, 1, 0)
+  # a search reused for 2 more exchanges: its successors start 2 further on
+  got = successor_ids(found, np.array([[12]]), 2, age=np.array([[[2]]]))
+  np.testing.assert_array_equal(got, [[[[6, 7, 10, 11, -1, -1, 11, -1]]]])  # 8 + 2 + 2 = 12: past the store
 
 
 def test_drop_repeats_keeps_each_id_once_at_its_first_slot():
@@ -155,6 +158,32 @@ def test_successors_extend_the_selection_by_the_following_tokens():
       expect = {int(i) + j for i in top for j in range(3) if i + j < n}
       ids = runtime.slot_ids[0, 0, h]
       assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once
+  finally:
+    runtime.close()
+
+
+def test_a_reused_search_moves_its_successors_on_by_its_age():
+  """Speculative reuse (tau 0 keeps every search until its turn in the rotation): a head that
+  reuses the search of the previous exchange attends the tokens 2 after each found one, not 1."""
+  rng = np.random.default_rng(2)
+  L, Hkv, n, D, topk = 1, 2, 40, 8, 3
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  context = host_index.HostContext(1, L, 2 * Hkv, Hkv, D, dtype="float32", kind="flat")
+  context.append(0, 0, 0, keys[0], values[0])
+  context.build_layer(0)
+  runtime = PrefetchRuntime(context, tail_slots=8, sinks=2, window=8, topk=topk, ef=None, scale=D**-0.5,
+                            background_threads=1, successors=1, speculative=True, tau=0.0)
+  queries = rng.standard_normal((L, 1, 2 * Hkv, D), dtype=np.float32)
+  none = np.zeros((L, 1, Hkv, D), np.float32), np.zeros((L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2 * Hkv, D), np.float32)
+  try:
+    for _ in range(2):
+      runtime.prefetch_step([0], queries, *none, np.array([[-1]]))
+    reused = np.flatnonzero(runtime._searched_at[0, 0] == 1)
+    assert reused.size  # the rotation refreshed only some groups at the second exchange
+    for h in reused:
+      top = np.argsort(-(keys[0, h // 2] @ queries[0, 0, h]))[:topk]
+      ids = runtime.slot_ids[0, 0, h]
+      assert set(ids[ids >= 0].tolist()) == {int(i) for i in top} | {int(i) + 2 for i in top if i + 2 < n}
   finally:
     runtime.close()
 
