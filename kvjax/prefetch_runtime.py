@@ -82,7 +82,7 @@ def successor_ids(found, stored, count: int, age=None):
 
 
 def drop_repeats(rows):  # rows [..., S] int64 store ids, -1 = empty -> [..., S]
-  """Each row with every repeated id after its first occurrence (in sorted order) set to -1."""
+  """Each row with every repeat of an id after its first occurrence in the row set to -1."""
   order = np.argsort(rows, axis=-1, kind="stable")
   ranked = np.take_along_axis(rows, order, axis=-1)
   repeat = np.zeros(rows.shape, bool)
@@ -204,8 +204,8 @@ class PrefetchRuntime(HostRuntime):
     self.stats.search_seconds += t3 - t2
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
-    # The selections, in no slot order (each head's latest top-k, then every stored token that
-    # search could not return); dense layers' slots stay empty.
+    # The selections, in no slot order (each head's latest top-k, the successors of those, then
+    # every stored token that search could not return); dense layers' slots stay empty.
     wanted = self.slot_ids.copy()
     found_end = self.topk * (1 + self.successors)
     wanted[layers, :, :, :self.topk] = found
