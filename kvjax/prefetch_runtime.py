@@ -63,6 +63,11 @@ def slot_stores(
   return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
 
 
+def selection_slots(topk: int, tail_slots: int, successors: int) -> int:
+  """Device buffer rows per (layer, seq, query head): top-k, tail and the top-k's successors."""
+  return topk * (1 + successors) + tail_slots
+
+
 def successor_ids(found, stored, count: int, age=None):
   """The `count` store ids after each found one, skipping `age` more (-1 where none was found
   or past the store).
@@ -79,17 +84,6 @@ def successor_ids(found, stored, count: int, age=None):
   ids = start[..., None] + np.arange(1, count + 1)
   ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
-
-
-def drop_repeats(rows):  # rows [..., S] int64 store ids, -1 = empty -> [..., S]
-  """Each row with every repeat of an id after its first occurrence in the row set to -1."""
-  order = np.argsort(rows, axis=-1, kind="stable")
-  ranked = np.take_along_axis(rows, order, axis=-1)
-  repeat = np.zeros(rows.shape, bool)
-  repeat[..., 1:] = (ranked[..., 1:] == ranked[..., :-1]) & (ranked[..., 1:] >= 0)
-  out = rows.copy()
-  np.put_along_axis(out, order, np.where(repeat, -1, ranked), axis=-1)
-  return out
 
 
 class PrefetchRuntime(HostRuntime):
@@ -159,7 +153,7 @@ class PrefetchRuntime(HostRuntime):
 
   @property
   def slots(self) -> int:
-    return self.topk * (1 + self.successors) + self.tail_slots
+    return selection_slots(self.topk, self.tail_slots, self.successors)
 
   def prefetch_step(
       self,
@@ -204,22 +198,23 @@ class PrefetchRuntime(HostRuntime):
     self.stats.search_seconds += t3 - t2
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
-    # The selections, in no slot order (each head's latest top-k, the successors of those, then
-    # every stored token that search could not return); dense layers' slots stay empty.
+    # The selections, in no slot order (each head's latest top-k, every stored token that search
+    # could not return, then the successors); dense layers' slots stay empty. A successor may
+    # repeat an id: assign_slots gives a repeated id one slot.
     wanted = self.slot_ids.copy()
-    found_end = self.topk * (1 + self.successors)
+    retrieved_end = self.topk + self.tail_slots
     wanted[layers, :, :, :self.topk] = found
-    age = self._exchanges - self._searched_at[layers]  # 0 for the heads that searched now
-    wanted[layers, :, :, self.topk:found_end] = successor_ids(found, stored, self.successors, age)
-    wanted[layers, :, :, found_end:] = self._tail_ids(self._seen[layers], stored)
-    if self.successors:  # a successor may be retrieved, or in the tail, already: attended once
-      wanted[layers] = drop_repeats(wanted[layers])
+    wanted[layers, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[layers], stored)
+    if self.successors:
+      age = self._exchanges - self._searched_at[layers]  # 0 for the heads that searched now
+      wanted[layers, :, :, retrieved_end:] = successor_ids(found, stored, self.successors, age)
     self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result
       used = np.stack([self._selections[layers[t]].popleft() for t in scored])
       fresh = searched[scored]  # a head that reused its search has no fresh result to score against
-      hits, total = reuse_hits(used[fresh], found[scored][fresh])
+      # scored: what the searches selected (distinct ids; successors are an addition, not a result)
+      hits, total = reuse_hits(used[fresh][:, :retrieved_end], found[scored][fresh])
       self.stats.reused_hits += hits
       self.stats.reused_total += total
     for layer in layers:

@@ -15,7 +15,7 @@ import kvjax
 from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime, drop_repeats, successor_ids
+from kvjax.prefetch_runtime import PrefetchRuntime, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
@@ -98,7 +98,7 @@ def test_no_host_callback_inside_the_step(monkeypatch):
   assert result.policy_stats["callbacks"] == len(result.tokens[0])  # one exchange per step + one at prefill
 
 
-def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat", successors=0):
+def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat", **options):
   """A PrefetchRuntime over one sequence and 2 layers holding `keys`/`values` [L, Hkv, n, D]."""
   L, Hkv, n, D = keys.shape
   context = host_index.HostContext(1, L, 2 * Hkv, Hkv, D, dtype="float32", kind=kind)
@@ -106,7 +106,7 @@ def _runtime(keys, values, *, topk, tail_slots=4, sinks=2, kind="flat", successo
     context.append(0, layer, 0, keys[layer], values[layer])
     context.build_layer(layer)
   return PrefetchRuntime(context, tail_slots=tail_slots, sinks=sinks, window=8, topk=topk, ef=None, scale=D**-0.5,
-                         background_threads=1, successors=successors)
+                         background_threads=1, **options)
 
 
 class DeviceMirror:
@@ -135,11 +135,6 @@ def test_successor_ids_follow_each_found_id_within_the_store():
   np.testing.assert_array_equal(got, [[[[6, 7, 10, 11, -1, -1, 11, -1]]]])  # 8 + 2 + 2 = 12: past the store
 
 
-def test_drop_repeats_keeps_each_id_once_at_its_first_slot():
-  rows = np.array([[5, -1, 4, 5, 6, -1, 4, 7], [1, 1, 1, -1, 2, 3, 2, 0]])
-  np.testing.assert_array_equal(drop_repeats(rows), [[5, -1, 4, -1, 6, -1, -1, 7], [1, -1, -1, -1, 2, 3, -1, 0]])
-
-
 def test_successors_extend_the_selection_by_the_following_tokens():
   """A small top-k with successors selects exactly top-k, each found id's followers within the
   store and the unindexed tail, each once (successors lag behind a stale query's find)."""
@@ -157,7 +152,7 @@ def test_successors_extend_the_selection_by_the_following_tokens():
       top = np.argsort(-(keys[0, 0] @ queries[0, 0, h]))[:topk]
       expect = {int(i) + j for i in top for j in range(3) if i + j < n}
       ids = runtime.slot_ids[0, 0, h]
-      assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once
+      assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once: a repeated id takes one slot
   finally:
     runtime.close()
 
@@ -168,11 +163,7 @@ def test_a_reused_search_moves_its_successors_on_by_its_age():
   rng = np.random.default_rng(2)
   L, Hkv, n, D, topk = 1, 2, 40, 8, 3
   keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
-  context = host_index.HostContext(1, L, 2 * Hkv, Hkv, D, dtype="float32", kind="flat")
-  context.append(0, 0, 0, keys[0], values[0])
-  context.build_layer(0)
-  runtime = PrefetchRuntime(context, tail_slots=8, sinks=2, window=8, topk=topk, ef=None, scale=D**-0.5,
-                            background_threads=1, successors=1, speculative=True, tau=0.0)
+  runtime = _runtime(keys, values, topk=topk, tail_slots=8, successors=1, speculative=True, tau=0.0)
   queries = rng.standard_normal((L, 1, 2 * Hkv, D), dtype=np.float32)
   none = np.zeros((L, 1, Hkv, D), np.float32), np.zeros((L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2 * Hkv, D), np.float32)
   try:

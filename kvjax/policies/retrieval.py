@@ -234,7 +234,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   @property
   def slots_per_head(self) -> int:
     """per_step: device buffer rows per (layer, seq, query head)."""
-    return self.topk * (1 + self.successors) + self.tail_slots
+    return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors)
 
   # -- state -----------------------------------------------------------------------------
 
