@@ -27,14 +27,14 @@ class ContextReuse:
     """(context, seconds its prefill and index build took when it was first made).
 
     key: what else the context depends on (lengths, batch, seed...)."""
-    defaults = kvjax.make_policy(name)
-    decode_only = set(defaults.decode_options)
+    policy = kvjax.make_policy(name, **options)
+    decode_only = set(policy.decode_options)
     shared = (name, tuple(sorted((k, v) for k, v in options.items() if k not in decode_only)), key)
     if shared in self._saved:
       path, seconds = self._saved[shared]
       # Every decode option, the defaults included: a loaded context keeps the saving row's
       # options for any left out (a plain row after a speculative one would decode speculatively).
-      decode_options = {k: options.get(k, getattr(defaults, k)) for k in decode_only}
+      decode_options = {k: getattr(policy, k) for k in decode_only}
       return kvjax.load_context(path, model, policy_options=decode_options), seconds
     t0 = time.perf_counter()
     context = build()
