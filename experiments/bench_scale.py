@@ -48,6 +48,9 @@ POLICIES = {
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                   "speculative": True}),
+    # successors off: what the default successors (= lag) cost, side by side
+    "retrieval_step_lag2_kv_spec_s0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                     "speculative": True, "successors": 0}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
@@ -214,7 +217,7 @@ def summaries(rows: list[dict]) -> list[dict]:
 # hidden_shares' pairs: each lag-2 `_kv` row's whole host time between steps against the
 # synchronous exchange (lag 1: the host searches and gathers between the steps).
 HIDING = [(key, "after_step_ms", "retrieval_step_lag1_kv")
-          for key in ("retrieval_step_lag2_kv", "retrieval_step_lag2_kv_spec")]
+          for key in ("retrieval_step_lag2_kv", "retrieval_step_lag2_kv_spec", "retrieval_step_lag2_kv_spec_s0")]
 
 
 def main(argv):
