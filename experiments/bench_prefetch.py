@@ -48,6 +48,7 @@ flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculat
                    "head searches every step.")
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
                      "per_step's `successors`, whose default there is its lag).")
+flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
 FLAGS = flags.FLAGS
@@ -67,7 +68,8 @@ def build_runtime(rng) -> PrefetchRuntime:
     context.store.reserve(0, layer, n + FLAGS.steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
-                            successors=FLAGS.successors, background_threads=available_cores(),
+                            successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
+                            background_threads=available_cores(),
                             **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
@@ -149,7 +151,7 @@ def main(argv):
              search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),
              wait_ms=round(median("callback_seconds") - median("insert_seconds") - median("search_seconds")
                            - median("gather_seconds"), 3),
-             tau=FLAGS.tau, successors=FLAGS.successors,
+             tau=FLAGS.tau, successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
              searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
              search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),

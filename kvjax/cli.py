@@ -26,6 +26,7 @@ POLICY_FLAGS = {
     "roar_heads": "roar_heads",
     "lag": "lag",
     "successors": "successors",
+    "successor_sources": "successor_sources",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -63,6 +64,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("successors", None, "retrieval per_step bridge: tokens following each retrieved one also "
                        "attended (default: lag; 0: none), for heads that read on from where a previous step's query "
                        "found them.")
+  flags.DEFINE_integer("successor_sources", None, "retrieval per_step bridge: how many of each head's best "
+                       "retrieved ids get successors (default 8).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

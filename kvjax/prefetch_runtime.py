@@ -63,9 +63,10 @@ def slot_stores(
   return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
 
 
-def selection_slots(topk: int, tail_slots: int, successors: int) -> int:
-  """Device buffer rows per (layer, seq, query head): top-k, tail and the top-k's successors."""
-  return topk * (1 + successors) + tail_slots
+def selection_slots(topk: int, tail_slots: int, successors: int, sources: int) -> int:
+  """Device buffer rows per (layer, seq, query head): top-k, tail and the successors of the
+  best `sources` of the top-k."""
+  return topk + min(sources, topk) * successors + tail_slots
 
 
 def successor_ids(found, stored, count: int, age=None):
@@ -91,18 +92,21 @@ class PrefetchRuntime(HostRuntime):
 
   tail_slots: buffer rows per query head kept for stored-but-unindexed tokens; when more are
     pending (the background indexing fell behind) they are indexed synchronously first.
-  successors: the tokens following each retrieved one that the selection adds (see
-    `successor_ids`).
+  successors: the tokens following each of the best `successor_sources` retrieved ids that the
+    selection adds (see `successor_ids`).
   """
 
-  def __init__(self, context, *, tail_slots: int, successors: int = 0, **kwargs):
+  def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8, **kwargs):
     super().__init__(context, **kwargs)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     if successors < 0:
       raise ValueError(f"successors={successors} must be >= 0")
+    if successor_sources < 1:
+      raise ValueError(f"successor_sources={successor_sources} must be >= 1")
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
+    self.successor_sources = min(int(successor_sources), self.topk)
     self.search_threads = available_cores()  # nothing else runs on the host during the search
     self.buffers = StepBuffers()
     self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
@@ -153,7 +157,7 @@ class PrefetchRuntime(HostRuntime):
 
   @property
   def slots(self) -> int:
-    return selection_slots(self.topk, self.tail_slots, self.successors)
+    return selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources)
 
   def prefetch_step(
       self,
@@ -199,15 +203,17 @@ class PrefetchRuntime(HostRuntime):
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
     # The selections, in no slot order (each head's latest top-k, every stored token that search
-    # could not return, then the successors); dense layers' slots stay empty. A successor may
-    # repeat an id: assign_slots gives a repeated id one slot.
+    # could not return, then the successors of its best ids: searches return ids best first);
+    # dense layers' slots stay empty. A successor may repeat an id: assign_slots gives a
+    # repeated id one slot.
     wanted = self.slot_ids.copy()
     retrieved_end = self.topk + self.tail_slots
     wanted[layers, :, :, :self.topk] = found
     wanted[layers, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[layers], stored)
     if self.successors:
       age = self._exchanges - self._searched_at[layers]  # 0 for the heads that searched now
-      wanted[layers, :, :, retrieved_end:] = successor_ids(found, stored, self.successors, age)
+      sources = found[..., :self.successor_sources]
+      wanted[layers, :, :, retrieved_end:] = successor_ids(sources, stored, self.successors, age)
     self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result

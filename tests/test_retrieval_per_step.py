@@ -135,22 +135,23 @@ def test_successor_ids_follow_each_found_id_within_the_store():
   np.testing.assert_array_equal(got, [[[[6, 7, 10, 11, -1, -1, 11, -1]]]])  # 8 + 2 + 2 = 12: past the store
 
 
-def test_successors_extend_the_selection_by_the_following_tokens():
-  """A small top-k with successors selects exactly top-k, each found id's followers within the
-  store and the unindexed tail, each once (successors lag behind a stale query's find)."""
+@pytest.mark.parametrize("sources", [8, 2])
+def test_successors_extend_the_selection_by_the_following_tokens(sources):
+  """A small top-k with successors selects exactly top-k, the followers within the store of its
+  best `sources` ids and the unindexed tail, each once (successors lag behind a stale query's find)."""
   rng = np.random.default_rng(1)
   L, Hkv, n, D, topk = 1, 1, 30, 8, 4
   keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
-  runtime = _runtime(keys, values, topk=topk, successors=2)
+  runtime = _runtime(keys, values, topk=topk, successors=2, successor_sources=sources)
   queries = rng.standard_normal((L, 1, 2, D), dtype=np.float32)
   evicted_pos = np.array([[-1]])
   try:
-    assert runtime.slots == topk * 3 + runtime.tail_slots
+    assert runtime.slots == topk + min(sources, topk) * 2 + runtime.tail_slots
     runtime.prefetch_step([0], queries, *np.zeros((2, L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2, D), np.float32),
                           evicted_pos)
     for h in range(2):
       top = np.argsort(-(keys[0, 0] @ queries[0, 0, h]))[:topk]
-      expect = {int(i) + j for i in top for j in range(3) if i + j < n}
+      expect = {int(i) for i in top} | {int(i) + j for i in top[:sources] for j in (1, 2) if i + j < n}
       ids = runtime.slot_ids[0, 0, h]
       assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once: a repeated id takes one slot
   finally:
@@ -245,7 +246,7 @@ def test_saved_context_decodes_token_for_token(tmp_path, lag):
                         return_logits=True)
   assert loaded.tokens == direct.tokens
   np.testing.assert_allclose(loaded.logits, direct.logits, rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="topk cannot change"):
+  with pytest.raises(ValueError, match="cannot change at decode"):
     kvjax.load_context(tmp_path / "c", model, policy_options={"topk": 7})
 
 
@@ -308,6 +309,7 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(index="flat", roar_heads="kv"), "roar_heads='kv'"),
     (dict(bridge="per_step", successors=-1), "successors=-1"),
     (dict(successors=2), "successors=2 applies"),
+    (dict(bridge="per_step", successor_sources=0), "successor_sources=0"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -360,5 +362,6 @@ def test_successors_default_to_the_lag_on_the_per_step_bridge_only():
   assert RetrievalAttention(bridge="per_step").successors == 1
   assert RetrievalAttention(bridge="per_step", lag=2, successors=0).successors == 0
   assert RetrievalAttention().successors == 0  # per_layer searches with the step's own query
-  policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4)
-  assert policy.slots_per_head == 10 * 3 + 4 and "+2 following tokens each" in policy.describe()
+  policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4)  # successors of the best 8
+  assert policy.slots_per_head == 10 + 8 * 2 + 4 and "+2 following tokens of the best 8" in policy.describe()
+  assert RetrievalAttention(bridge="per_step", lag=2, topk=5, tail_slots=4).slots_per_head == 5 * 3 + 4

@@ -152,10 +152,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
-  successors: per_step only: the tokens following each retrieved one also attended (default:
-    `lag`; 0 turns them off), for heads that move one position a step through a span the older
-    query found (kvjax.prefetch_runtime.successor_ids); the row buffers hold
-    topk * (1 + successors) + tail_slots rows per query head.
+  successors: per_step only: the tokens following each of a head's best `successor_sources`
+    retrieved ids also attended (default: `lag`; 0 turns them off), for heads that move one
+    position a step through a span the older query found (kvjax.prefetch_runtime.successor_ids);
+    the row buffers hold topk + min(successor_sources, topk) * successors + tail_slots rows per
+    query head.
+  successor_sources: per_step only: how many of each head's best retrieved ids get successors
+    (a head reading a span token by token ranks the position it reads first; successors of
+    all 100 cost 3.2 ms a step at 128K, SmolLM2 shapes: experiments/results/*_successors*).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -179,6 +183,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   tail_slots: int = 8
   lag: int = 1
   successors: int | None = None
+  successor_sources: int = 8
   transfer: str = "page_locked"
   roar_heads: str = "query"
   name: str = "retrieval"
@@ -212,6 +217,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"successors={self.successors} must be >= 0")
     if self.successors and self.bridge != "per_step":
       raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
+    if self.successor_sources < 1:
+      raise ValueError(f"successor_sources={self.successor_sources} must be >= 1")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.roar_heads not in ("query", "kv"):
@@ -226,7 +233,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step":
       spec += (", one host exchange per step (previous step's selection)" if self.lag == 1 else
                ", host works while the device computes (selection of two steps back)")
-      spec += f", +{self.successors} following tokens each" if self.successors else ""
+      spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
+               if self.successors else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
@@ -234,7 +242,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   @property
   def slots_per_head(self) -> int:
     """per_step: device buffer rows per (layer, seq, query head)."""
-    return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors)
+    return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources)
 
   # -- state -----------------------------------------------------------------------------
 
@@ -276,6 +284,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
+                                              successor_sources=self.successor_sources,
                                               speculative=self.speculative,
                                               tau=self.tau, background_threads=host_runtime.available_cores(),
                                               **common)
@@ -285,8 +294,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     slots = state.buf_k.shape[3]
     if self.bridge == "per_step" and slots != self.slots_per_head:
       raise ValueError(f"topk={self.topk}: this per_step context was prefilled with buffers of {slots} rows "
-                       f"= topk * (1 + successors ({self.successors})) + tail_slots ({self.tail_slots}); "
-                       "topk cannot change at decode with per_step")
+                       f"!= topk + min(successor_sources ({self.successor_sources}), topk) * successors "
+                       f"({self.successors}) + tail_slots ({self.tail_slots}) = {self.slots_per_head}; "
+                       "these cannot change at decode with per_step")
     state = super().attach_host(cfg, state, context)
     if self.bridge == "per_step":  # the host's record of what the loaded device buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
