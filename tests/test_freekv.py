@@ -302,7 +302,7 @@ def test_per_step_recalls_every_selection_into_the_pool_with_the_stored_pages(la
       sum(int((f >= 0).sum()) for f in exchange_log.fetches[lag:]) / (STEPS - 1))
 
 
-def _compiled_step(model, options, prompt_len=53):
+def _compiled_step(model, options, prompt_len=53, policy="freekv"):
   """(optimized HLO text of one unrolled decode step, the prefilled state it was compiled for)."""
   import dataclasses
 
@@ -314,7 +314,7 @@ def _compiled_step(model, options, prompt_len=53):
   from models.rope import rope_tables
 
   model = dataclasses.replace(model, params=decode_layout(model.params, unroll=True))  # layers: Python ints
-  context = kvjax.prefill(model, [random_prompt(prompt_len)], max_new_tokens=4, policy="freekv",
+  context = kvjax.prefill(model, [random_prompt(prompt_len)], max_new_tokens=4, policy=policy,
                           policy_options=options)
   try:
     state, cfg = context.state, model.cfg
@@ -332,18 +332,23 @@ def test_per_step_layer_costs_few_operations():
   """per_step's sparse layer only writes its ring and attends (after_layers does the rest once):
   the compiled CPU step grows by ~43 top-level operations per layer (111 before after_layers).
   A ceiling, so a change that puts per-layer work back into the loop shows here."""
+  per_layer = ops_per_layer(lambda layers: _compiled_step(tiny_model("llama", num_layers=layers), SMALL | dict(
+      budget=4 + 8 + 4 * 3, bridge="per_step", dense_layers=()))[0])
+  assert 0 < per_layer <= 46, per_layer
+
+
+def ops_per_layer(compiled_hlo) -> float:
+  """Top-level operations a layer adds to a compiled step: compiled_hlo(layers) -> HLO text."""
   import re
 
   def entry_ops(layers):
-    hlo, _ = _compiled_step(tiny_model("llama", num_layers=layers), SMALL | dict(
-        budget=4 + 8 + 4 * 3, bridge="per_step", dense_layers=()))
+    hlo = compiled_hlo(layers)
     entry = hlo[hlo.index("ENTRY"):]
     entry = entry[:entry.index("\n}\n")]
     skip = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
     return sum(1 for m in re.finditer(r"= \S+ ([\w-]+)\(", entry) if m.group(1) not in skip)
 
-  per_layer = (entry_ops(6) - entry_ops(2)) / 4
-  assert 0 < per_layer <= 46, per_layer
+  return (entry_ops(6) - entry_ops(2)) / 4
 
 
 @pytest.mark.parametrize("bridge", ["per_layer", "per_step"])

@@ -401,62 +401,85 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                 window=jnp.asarray(cfg.layer_windows, jnp.int32)[layer])
     return o, state.replace(dense=dense)
 
+  def _ring_slots(self, pos):
+    """pos [B] -> (the ring slot of the new token, which the token leaving the window frees;
+    its query slot, W for a sink (never evicted: no query kept); the evicted position, -1 where
+    none), each [B]."""
+    S, W = self.sinks, self.window
+    slot = jnp.where(pos < S, pos, S + (pos - S) % W)
+    q_slot = jnp.where(pos >= S, (pos - S) % W, W)
+    return slot, q_slot, jnp.where(pos - W >= S, pos - W, -1)
+
   def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     """Writes the new token into the ring and attends the ring on the device.
 
-    Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the evicted token's (k, v [B, Hkv, D],
-    q [B, Hq, D], pos [B], -1 where none), the state with the updated rings)."""
+    Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the state with the updated rings)."""
     S, W = self.sinks, self.window
-    B = q.shape[0]
     pos = positions[:, 0]  # [B]
-    b = jnp.arange(B, dtype=jnp.int32)
-    slot = jnp.where(pos < S, pos, S + (pos - S) % W)
-    q_slot = jnp.where(pos >= S, (pos - S) % W, W)  # sinks are never evicted: no query kept
-    evicted_pos = jnp.where(pos - W >= S, pos - W, -1)
-    # The token leaving the window shares its ring slot with the new one: read it first.
-    evicted_k = state.ring_k[layer, b, :, slot]  # [B, Hkv, D]
-    evicted_v = state.ring_v[layer, b, :, slot]
-    evicted_q = state.ring_q[layer, b, :, jnp.minimum(q_slot, W - 1)]  # [B, Hq, D]
+    b = jnp.arange(q.shape[0], dtype=jnp.int32)
+    slot, q_slot, _ = self._ring_slots(pos)
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
     o_dev, lse_dev = ops.partial_attention(
         q[:, 0], ring_k, ring_v, jnp.minimum(pos + 1, S + W), layer=layer, scale=cfg.attn_scale,
         implementation=resolve_implementation(self.implementation))
-    state = state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
-    return o_dev, lse_dev, (evicted_k, evicted_v, evicted_q, evicted_pos), state
+    return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
 
-  def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    """bridge="per_step": ring + the prefetched rows + the token leaving the window, all on the device."""
-    o_dev, lse_dev, evicted, state = self._ring_step(cfg, layer, q, k, v, positions, state)
-    evicted_k, evicted_v, evicted_q, evicted_pos = evicted
-    q0 = q[:, 0]  # [B, Hq, D]
-    B, G = q0.shape[0], cfg.num_heads // cfg.num_kv_heads
+  def _evicted(self, state: RetrievalState, layers, pos):
+    """The tokens leaving the window as `pos` [B] enters, read from the rings before the new
+    token overwrites their slot: (k, v [B, *layers, Hkv, D], q [B, *layers, Hq, D], pos [B])
+    for `layers` an int or a slice."""
+    b = jnp.arange(pos.shape[0], dtype=jnp.int32)
+    slot, q_slot, evicted_pos = self._ring_slots(pos)
+    return (state.ring_k[layers, b, :, slot], state.ring_v[layers, b, :, slot],
+            state.ring_q[layers, b, :, jnp.minimum(q_slot, self.window - 1)], evicted_pos)
+
+  def before_layers(self, cfg, positions, state: RetrievalState) -> RetrievalState:
+    """per_step decode: every layer's token leaving the window, read from the rings before any
+    layer writes there, into the step's records for the host and the device's ring of the last
+    `lag` evicted tokens, once for all layers. Read inside each layer, before that layer's ring
+    write, it made XLA copy the whole [L, ...] rings and recent rings every layer (the compiled
+    CPU step, tests/test_retrieval_per_step.py): ~218 MB a layer at 8B shapes."""
+    if self.bridge != "per_step" or positions.shape[1] != 1:
+      return state
+    pos = positions[:, 0]  # [B]
+    b = jnp.arange(pos.shape[0], dtype=jnp.int32)
+    evicted = self._evicted(state, slice(None), pos)  # [B, L, ...]
+    # The barrier orders these reads before the layers' in-place ring writes; without it XLA
+    # copied each ring twice a step to keep the read's input alive.
+    (evicted_k, evicted_v, evicted_q, evicted_pos), rings = jax.lax.optimization_barrier(
+        (evicted, (state.ring_k, state.ring_v, state.ring_q)))
     # Tokens evicted in the last `lag` steps (this one included) are in neither the ring nor the
     # host rows yet: the device keeps them in a small ring of their own, slot = position % lag.
-    b = jnp.arange(B, dtype=jnp.int32)
     at = jnp.where(evicted_pos >= 0, evicted_pos % self.lag, self.lag)  # lag = dropped
-    recent_k = state.recent_k.at[layer, b, :, at].set(evicted_k, mode="drop")  # [L, B, Hkv, lag, D]
-    recent_v = state.recent_v.at[layer, b, :, at].set(evicted_v, mode="drop")
-    recent_pos = state.recent_pos.at[layer, b, at].set(evicted_pos, mode="drop")  # [L, B, lag]
-    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(recent_k[layer], G, axis=1)], axis=2)
-    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(recent_v[layer], G, axis=1)], axis=2)
-    recent_valid = jnp.broadcast_to((recent_pos[layer] >= 0)[:, None, :], (B, q0.shape[1], self.lag))
+    L = state.ring_k.shape[0]
+    return state.replace(
+        ring_k=rings[0], ring_v=rings[1], ring_q=rings[2],
+        recent_k=state.recent_k.at[:, b, :, at].set(evicted_k, mode="drop"),  # [L, B, Hkv, lag, D]
+        recent_v=state.recent_v.at[:, b, :, at].set(evicted_v, mode="drop"),
+        recent_pos=state.recent_pos.at[:, b, at].set(jnp.broadcast_to(evicted_pos, (L, pos.shape[0])), mode="drop"),
+        step_evicted_k=jnp.swapaxes(evicted_k, 0, 1), step_evicted_v=jnp.swapaxes(evicted_v, 0, 1),
+        step_evicted_q=jnp.swapaxes(evicted_q, 0, 1).astype(jnp.float32),
+        step_evicted_pos=jnp.broadcast_to(evicted_pos, (L, pos.shape[0])))
+
+  def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    """bridge="per_step": ring + the prefetched rows + the last `lag` evicted tokens (before_layers
+    put them in the recent ring), all on the device."""
+    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
+    q0 = q[:, 0]  # [B, Hq, D]
+    B, G = q0.shape[0], cfg.num_heads // cfg.num_kv_heads
+    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(state.recent_k[layer], G, axis=1)], axis=2)
+    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(state.recent_v[layer], G, axis=1)], axis=2)
+    recent_valid = jnp.broadcast_to((state.recent_pos[layer] >= 0)[:, None, :], (B, q0.shape[1], self.lag))
     valid = jnp.concatenate([state.buf_ids[layer] >= 0, recent_valid], axis=2)
     o_rows, lse_rows = attend_rows(q0, rows_k, rows_v, valid, scale=cfg.attn_scale)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
-    state = state.replace(
-        recent_k=recent_k, recent_v=recent_v, recent_pos=recent_pos,
-        step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)),
-        step_evicted_k=state.step_evicted_k.at[layer].set(evicted_k),
-        step_evicted_v=state.step_evicted_v.at[layer].set(evicted_v),
-        step_evicted_q=state.step_evicted_q.at[layer].set(evicted_q.astype(jnp.float32)),
-        step_evicted_pos=state.step_evicted_pos.at[layer].set(evicted_pos))
-    return o[:, None], state
+    return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    o_dev, lse_dev, evicted, state = self._ring_step(cfg, layer, q, k, v, positions, state)
-    evicted_k, evicted_v, evicted_q, evicted_pos = evicted
+    evicted_k, evicted_v, evicted_q, evicted_pos = self._evicted(state, layer, positions[:, 0])
+    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
     result_shapes = (jax.ShapeDtypeStruct(q0.shape, jnp.float32), jax.ShapeDtypeStruct(q0.shape[:2], jnp.float32),
                      jax.ShapeDtypeStruct((), jnp.int32))
