@@ -40,8 +40,10 @@ from kvjax.sharding import ShardedPolicy, join_state, replicated, split_state
 from models.tensor_parallel import local_config
 
 FORMAT = "kvjax-context"
-VERSION = 6  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
-# pool_counts; 5: kcodes, klo, kstep; 6: retrieval per_step buffers of topk * (1 + successors) + tail_slots rows
+VERSION = 7  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
+# pool_counts; 5: kcodes, klo, kstep; 6: retrieval per_step buffers of topk + sources * successors + tail_slots
+# rows (sources = successor_sources since ffdc098, topk before); 7: retrieval per_step rings of window + lag
+# tokens past the sinks, no recent_* ring
 _STATE_MODULE_PREFIX = "kvjax."  # state classes are only ever imported from kvjax itself
 
 

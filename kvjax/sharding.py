@@ -231,7 +231,6 @@ class ShardedPolicy(AttentionPolicy):
       it = iter(live)
       leaves = [jnp.zeros(le.shape, le.dtype) if le is not None else next(it) for le in local_empty]
       state = _squeeze_device_fields(jax.tree_util.tree_unflatten(treedef, leaves))
-      state = self.inner.before_layers(local, positions, state)
       hidden, state = forward_hidden(
           params, tokens, positions, cfg=local, rope=rope, attention_fn=functools.partial(self.inner.attend, local),
           attention_state=state, partial_sum=lambda y: jax.lax.psum(y, HEADS))

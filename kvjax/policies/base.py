@@ -92,20 +92,9 @@ class AttentionPolicy(abc.ABC):
     """The decoder pass with this policy's attention: (hidden [batch, seq, hidden], state).
 
     kvjax.sharding.ShardedPolicy overrides it to run the pass under shard_map."""
-    state = self.before_layers(cfg, positions, state)
     hidden, state = forward_hidden(params, tokens, positions, cfg=cfg, rope=rope,
                                    attention_fn=functools.partial(self.attend, cfg), attention_state=state)
     return hidden, self.after_layers(cfg, positions, state)
-
-  def before_layers(
-      self,
-      cfg: ModelConfig,
-      positions,  # [batch, seq] int32: the pass's positions
-      state: Any,
-  ) -> Any:
-    """In-jit work before the first layer attends, done once for all layers instead of in each
-    (reads of what the layers are about to overwrite, say)."""
-    return state
 
   def after_layers(
       self,

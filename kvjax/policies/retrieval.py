@@ -52,9 +52,9 @@ BRIDGES = ("per_layer", "per_step")
 
 @flax.struct.dataclass
 class RetrievalState:
-  ring_k: jax.Array  # [L, B, Hkv, sinks + window, D]
-  ring_v: jax.Array  # [L, B, Hkv, sinks + window, D]
-  ring_q: jax.Array  # [L, B, Hq, window, D] queries of the window tokens
+  ring_k: jax.Array  # [L, B, Hkv, sinks + ring_len, D] (RetrievalAttention.ring_len)
+  ring_v: jax.Array  # [L, B, Hkv, sinks + ring_len, D]
+  ring_q: jax.Array  # [L, B, Hq, ring_len, D] queries of the ring's non-sink tokens
   dense: DenseKVCache  # [n_dense, B, Hkv, capacity, D]: every layer during prefill, dense layers after
   train_q: jax.Array  # [L, B, Hq, M, D] strided prefill queries (M = 0 after prefill)
   prompt_lengths: jax.Array  # [B] int32
@@ -70,9 +70,6 @@ class RetrievalState:
   step_evicted_v: jax.Array  # [L, B, Hkv, D]
   step_evicted_q: jax.Array  # [L, B, Hq, D]: its own query
   step_evicted_pos: jax.Array  # [L, B] int32: its position, -1 where none left
-  recent_k: jax.Array  # [L, B, Hkv, lag, D] tokens evicted in the last `lag` steps (not in buf yet)
-  recent_v: jax.Array  # [L, B, Hkv, lag, D]
-  recent_pos: jax.Array  # [L, B, lag] int32 their positions, -1 = empty slot
   # Prefill only: `dense` holds the dense layers and one staging slot, not every layer
   # (DenseLayersMixin.prefill_slots); cleared by finish_prefill.
   staged: bool = flax.struct.field(pytree_node=False, default=False)
@@ -240,6 +237,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
             f"host: top-{self.topk} per query head{dense}{spec})")
 
   @property
+  def ring_len(self) -> int:
+    """Non-sink ring slots. per_step keeps each token `lag` steps past the window: the host
+    stores a token leaving the window in the exchange after the step, and its rows reach the
+    device `lag` steps later; until then the device attends it in the ring."""
+    return self.window + (self.lag if self.bridge == "per_step" else 0)
+
+  @property
   def slots_per_head(self) -> int:
     """per_step: device buffer rows per (layer, seq, query head)."""
     return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources)
@@ -249,7 +253,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype, *, staged: bool = False) -> RetrievalState:
     L, Hkv, Hq, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
     cached = len(self.dense_layer_ids(cfg)) + 1 if staged else L  # layers in the dense prefill cache
-    ring = (L, batch, Hkv, self.sinks + self.window, D)
+    ring = (L, batch, Hkv, self.sinks + self.ring_len, D)
     roar = {"roar_heads": self.roar_heads} if self.index == "roar" else {}
     context = host_index.HostContext(
         batch, L, Hq, Hkv, D, dtype=jnp.dtype(dtype).name, kind=self.index, **roar)
@@ -259,7 +263,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     slots = self.slots_per_head
     return RetrievalState(
         ring_k=jnp.zeros(ring, dtype), ring_v=jnp.zeros(ring, dtype),
-        ring_q=jnp.zeros((L, batch, Hq, self.window, D), dtype),
+        ring_q=jnp.zeros((L, batch, Hq, self.ring_len, D), dtype),
         dense=DenseKVCache(k=jnp.zeros((cached, batch, Hkv, capacity, D), dtype),
                            v=jnp.zeros((cached, batch, Hkv, capacity, D), dtype)),
         train_q=jnp.zeros((L, batch, Hq, train, D), dtype),
@@ -269,9 +273,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         buf_ids=jnp.full((n, batch, Hq, slots), -1, jnp.int32), step_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
         step_evicted_k=jnp.zeros((n, batch, Hkv, D), dtype), step_evicted_v=jnp.zeros((n, batch, Hkv, D), dtype),
         step_evicted_q=jnp.zeros((n, batch, Hq, D), jnp.float32),
-        step_evicted_pos=jnp.full((n, batch), -1, jnp.int32),
-        recent_k=jnp.zeros((n, batch, Hkv, self.lag, D), dtype), recent_v=jnp.zeros((n, batch, Hkv, self.lag, D), dtype),
-        recent_pos=jnp.full((n, batch, self.lag), -1, jnp.int32), staged=staged)
+        step_evicted_pos=jnp.full((n, batch), -1, jnp.int32), staged=staged)
 
   def begin_prefill(self, cfg, state: RetrievalState, prompt_lengths) -> RetrievalState:
     self.reserve_decode_room(cfg, self.runtime(state).context, state.dense.capacity)
@@ -390,9 +392,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     train_slot = jnp.where(valid & (positions % stride == 0), positions // stride, M)  # M = dropped
     train_q = state.train_q.at[layer, batch_ids, :, train_slot].set(q.astype(state.train_q.dtype), mode="drop")
     # Queries of the prompt's last `window` tokens (past the sinks) seed the query ring.
-    W, S = self.window, self.sinks
+    W, S, R = self.window, self.sinks, self.ring_len
     in_window = valid & (positions >= S) & (positions >= state.prompt_lengths[:, None] - W)
-    q_slot = jnp.where(in_window, (positions - S) % W, W)
+    q_slot = jnp.where(in_window, (positions - S) % R, R)
     ring_q = state.ring_q.at[layer, batch_ids, :, q_slot].set(q.astype(state.ring_q.dtype), mode="drop")
     return state.replace(dense=dense, train_q=train_q, ring_q=ring_q)
 
@@ -402,78 +404,68 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return o, state.replace(dense=dense)
 
   def _ring_slots(self, pos):
-    """pos [B] -> (the ring slot of the new token, which the token leaving the window frees;
-    its query slot, W for a sink (never evicted: no query kept); the evicted position, -1 where
-    none), each [B]."""
-    S, W = self.sinks, self.window
-    slot = jnp.where(pos < S, pos, S + (pos - S) % W)
-    q_slot = jnp.where(pos >= S, (pos - S) % W, W)
-    return slot, q_slot, jnp.where(pos - W >= S, pos - W, -1)
+    """pos [B] -> (the new token's ring slot, its query slot (ring_len for a sink: no query
+    kept), the position leaving the window (-1 where none), its ring slot, its query slot),
+    each [B]. With ring_len = window (per_layer) the token leaving frees the new one's slot."""
+    S, W, R = self.sinks, self.window, self.ring_len
+    evicted = pos - W
+    evicted_r = (jnp.maximum(evicted, S) - S) % R
+    return (jnp.where(pos < S, pos, S + (pos - S) % R), jnp.where(pos >= S, (pos - S) % R, R),
+            jnp.where(evicted >= S, evicted, -1), S + evicted_r, evicted_r)
 
   def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    """Writes the new token into the ring and attends the ring on the device.
+    """Writes the new token into the ring and attends the ring on the device: the sinks and the
+    positions [lo, pos], lo = max(pos - ring_len + 1, prompt length - window, sinks), the
+    tokens not yet in the host's rows (the prompt's are from its last `window` on).
 
     Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the state with the updated rings)."""
-    S, W = self.sinks, self.window
+    S, W, R = self.sinks, self.window, self.ring_len
     pos = positions[:, 0]  # [B]
     b = jnp.arange(q.shape[0], dtype=jnp.int32)
-    slot, q_slot, _ = self._ring_slots(pos)
+    slot, q_slot, *_ = self._ring_slots(pos)
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
+    # [lo, pos] in ring order: from slot S + a up to the ring's end, then wrapped to S on,
+    # joined to the sinks as the second interval.
+    lo = jnp.maximum(jnp.maximum(pos - R + 1, state.prompt_lengths - W), S)
+    count = jnp.maximum(pos + 1 - lo, 0)
+    a = (lo - S) % R
     o_dev, lse_dev = ops.partial_attention(
-        q[:, 0], ring_k, ring_v, jnp.minimum(pos + 1, S + W), layer=layer, scale=cfg.attn_scale,
-        implementation=resolve_implementation(self.implementation))
+        q[:, 0], ring_k, ring_v, S + jnp.minimum(a + count, R), starts=S + a, starts2=jnp.zeros_like(pos),
+        lengths2=jnp.where(pos >= S, S + jnp.maximum(a + count - R, 0), pos + 1), layer=layer,
+        scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
 
   def _evicted(self, state: RetrievalState, layers, pos):
-    """The tokens leaving the window as `pos` [B] enters, read from the rings before the new
-    token overwrites their slot: (k, v [B, *layers, Hkv, D], q [B, *layers, Hq, D], pos [B])
-    for `layers` an int or a slice."""
+    """The tokens leaving the window as `pos` [B] enters: (k, v [B, *layers, Hkv, D],
+    q [B, *layers, Hq, D], pos [B], -1 where none) for `layers` an int or a slice. per_layer
+    reads them before the new token overwrites their slot; per_step (a longer ring) after."""
     b = jnp.arange(pos.shape[0], dtype=jnp.int32)
-    slot, q_slot, evicted_pos = self._ring_slots(pos)
-    return (state.ring_k[layers, b, :, slot], state.ring_v[layers, b, :, slot],
-            state.ring_q[layers, b, :, jnp.minimum(q_slot, self.window - 1)], evicted_pos)
+    _, _, evicted_pos, slot, q_slot = self._ring_slots(pos)
+    return state.ring_k[layers, b, :, slot], state.ring_v[layers, b, :, slot], state.ring_q[layers, b, :, q_slot], evicted_pos
 
-  def before_layers(self, cfg, positions, state: RetrievalState) -> RetrievalState:
-    """per_step decode: every layer's token leaving the window, read from the rings before any
-    layer writes there, into the step's records for the host and the device's ring of the last
-    `lag` evicted tokens, once for all layers. Read inside each layer, before that layer's ring
-    write, it made XLA copy the whole [L, ...] rings and recent rings every layer (the compiled
-    CPU step, tests/test_retrieval_per_step.py): ~218 MB a layer at 8B shapes."""
+  def after_layers(self, cfg, positions, state: RetrievalState) -> RetrievalState:
+    """per_step decode: every layer's token leaving the window, for the host, read from the
+    rings at once after the layers' writes (its slot is not the new token's). Read inside each
+    layer before that layer's write, it made XLA copy the whole [L, ...] rings every layer
+    (~218 MB a layer at 8B shapes; tests/test_retrieval_per_step.py)."""
     if self.bridge != "per_step" or positions.shape[1] != 1:
       return state
     pos = positions[:, 0]  # [B]
-    b = jnp.arange(pos.shape[0], dtype=jnp.int32)
-    evicted = self._evicted(state, slice(None), pos)  # [B, L, ...]
-    # The barrier orders these reads before the layers' in-place ring writes; without it XLA
-    # copied each ring twice a step to keep the read's input alive.
-    (evicted_k, evicted_v, evicted_q, evicted_pos), rings = jax.lax.optimization_barrier(
-        (evicted, (state.ring_k, state.ring_v, state.ring_q)))
-    # Tokens evicted in the last `lag` steps (this one included) are in neither the ring nor the
-    # host rows yet: the device keeps them in a small ring of their own, slot = position % lag.
-    at = jnp.where(evicted_pos >= 0, evicted_pos % self.lag, self.lag)  # lag = dropped
-    L = state.ring_k.shape[0]
+    evicted_k, evicted_v, evicted_q, evicted_pos = self._evicted(state, slice(None), pos)  # [B, L, ...]
     return state.replace(
-        ring_k=rings[0], ring_v=rings[1], ring_q=rings[2],
-        recent_k=state.recent_k.at[:, b, :, at].set(evicted_k, mode="drop"),  # [L, B, Hkv, lag, D]
-        recent_v=state.recent_v.at[:, b, :, at].set(evicted_v, mode="drop"),
-        recent_pos=state.recent_pos.at[:, b, at].set(jnp.broadcast_to(evicted_pos, (L, pos.shape[0])), mode="drop"),
         step_evicted_k=jnp.swapaxes(evicted_k, 0, 1), step_evicted_v=jnp.swapaxes(evicted_v, 0, 1),
         step_evicted_q=jnp.swapaxes(evicted_q, 0, 1).astype(jnp.float32),
-        step_evicted_pos=jnp.broadcast_to(evicted_pos, (L, pos.shape[0])))
+        step_evicted_pos=jnp.broadcast_to(evicted_pos, state.step_evicted_pos.shape))
 
   def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    """bridge="per_step": ring + the prefetched rows + the last `lag` evicted tokens (before_layers
-    put them in the recent ring), all on the device."""
+    """bridge="per_step": the ring (window and the last `lag` tokens to leave it) and the rows
+    the host retrieved, both on the device."""
     o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
-    B, G = q0.shape[0], cfg.num_heads // cfg.num_kv_heads
-    rows_k = jnp.concatenate([state.buf_k[layer], jnp.repeat(state.recent_k[layer], G, axis=1)], axis=2)
-    rows_v = jnp.concatenate([state.buf_v[layer], jnp.repeat(state.recent_v[layer], G, axis=1)], axis=2)
-    recent_valid = jnp.broadcast_to((state.recent_pos[layer] >= 0)[:, None, :], (B, q0.shape[1], self.lag))
-    valid = jnp.concatenate([state.buf_ids[layer] >= 0, recent_valid], axis=2)
-    o_rows, lse_rows = attend_rows(q0, rows_k, rows_v, valid, scale=cfg.attn_scale)
+    o_rows, lse_rows = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
+                                   scale=cfg.attn_scale)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
@@ -501,7 +493,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     S, W = self.sinks, self.window
     slot = int(self.prefill_slots(cfg, state.staged)[layer])
     k, v = state.dense.k[slot], state.dense.v[slot]  # [B, Hkv, capacity, D]
-    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, W)
+    ring_k, ring_v = _rings_from_dense(k[None], v[None], jnp.asarray(lengths), S, self.ring_len)
     state = state.replace(ring_k=set_layer(state.ring_k, layer, ring_k[0]), ring_v=set_layer(state.ring_v, layer, ring_v[0]))
     if layer in self.dense_layer_ids(cfg):
       return state
@@ -540,9 +532,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           train_q=state.train_q[:, :, :, :0], staged=False)
     if self.bridge == "per_step":  # the first decode step's rows: selected by the last prompt token's query
       lengths = np.asarray(state.prompt_lengths)
-      S, W = self.sinks, self.window
+      S = self.sinks
       L, B = cfg.num_layers, len(lengths)
-      last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % W, jnp.int32)  # its slot in the query ring
+      last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % self.ring_len, jnp.int32)  # its slot in the query ring
       last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
       none = jnp.full((L, B), -1, jnp.int32)
       state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
@@ -580,16 +572,16 @@ def attend_rows(
   return o, lse
 
 
-def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, window: int):
-  """Rings [L, B, Hkv, sinks + window, D] holding what decode expects after `lengths` tokens.
+def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, ring_len: int):
+  """Rings [L, B, Hkv, sinks + ring_len, D] holding what decode expects after `lengths` tokens.
 
   Slot s < sinks holds position s; slot sinks + r holds the latest position p < length with
-  (p − sinks) % window == r. Slots not reached yet hold zeros (they are masked by length).
+  (p − sinks) % ring_len == r. Slots not reached yet hold zeros (they are masked by length).
   """
-  slots = jnp.arange(sinks + window, dtype=jnp.int32)  # [R]
+  slots = jnp.arange(sinks + ring_len, dtype=jnp.int32)  # [R]
   last = lengths[:, None] - 1  # [B, 1]
   r = slots - sinks
-  latest = sinks + r + window * jnp.floor_divide(last - sinks - r, window)  # [B, R]
+  latest = sinks + r + ring_len * jnp.floor_divide(last - sinks - r, ring_len)  # [B, R]
   pos = jnp.where(slots < sinks, slots, latest)
   pos = jnp.where((pos >= 0) & (pos <= last), pos, 0)
   gather = jax.vmap(lambda k_b, p_b: k_b[:, :, p_b], in_axes=(1, 0), out_axes=1)  # over batch
