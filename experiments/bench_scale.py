@@ -48,7 +48,8 @@ POLICIES = {
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                   "speculative": True}),
-    # successors off: what the default successors (= lag) cost, side by side
+    # successors off: what the default successors (= lag) cost, side by side (a decode option: it
+    # reloads the spec row's context when both run)
     "retrieval_step_lag2_kv_spec_s0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                      "speculative": True, "successors": 0}),
     "freekv": ("freekv", {}),

@@ -33,7 +33,8 @@ With lag 1 steps 1-5 sit between two device steps, on the critical path. With la
 a background thread while the device computes the next step (`start_prefetch`): the rows used
 at step t+1 were searched with the query of step t-1, and the critical path only waits for
 the job started one step earlier (`take_prefetched`, counted in `step_wait_seconds`). The
-tokens evicted in the last `lag` steps are not in the host rows yet; the device keeps them.
+tokens evicted in the last `lag` steps are not in the host rows yet; the device's ring keeps them
+(it holds window + lag tokens past the sinks).
 """
 
 from __future__ import annotations

@@ -247,8 +247,17 @@ def test_saved_context_decodes_token_for_token(tmp_path, lag):
                         return_logits=True)
   assert loaded.tokens == direct.tokens
   np.testing.assert_allclose(loaded.logits, direct.logits, rtol=1e-5, atol=1e-5)
+  # Other row buffers at load (top-k, successors): as a prefill with those options.
+  other = dict(topk=9, successors=0)
+  fresh = kvjax.generate(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", prefill_chunk=16,
+                         policy_options=options | other, return_logits=True)
+  resized = kvjax.decode(model, kvjax.load_context(tmp_path / "c", model, policy_options=other),
+                         max_new_tokens=STEPS_SAVED, return_logits=True)
+  assert resized.tokens == fresh.tokens
+  np.testing.assert_allclose(resized.logits, fresh.logits, rtol=1e-5, atol=1e-5)
+  assert np.abs(resized.logits - direct.logits).max() > 1e-3  # the options did change the decode
   with pytest.raises(ValueError, match="cannot change at decode"):
-    kvjax.load_context(tmp_path / "c", model, policy_options={"topk": 7})
+    kvjax.load_context(tmp_path / "c", model, policy_options={"lag": 3 - lag})
 
 
 STEPS_SAVED = 12

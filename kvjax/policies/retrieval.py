@@ -184,7 +184,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   transfer: str = "page_locked"
   roar_heads: str = "query"
   name: str = "retrieval"
-  decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer")
+  # per_step's row buffers are sized by topk and the successors: a load with other values
+  # selects the first step's rows again into buffers of the new size (attach_host).
+  decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
+                    "successor_sources")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -293,17 +296,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
-    slots = state.buf_k.shape[3]
-    if self.bridge == "per_step" and slots != self.slots_per_head:
-      raise ValueError(f"topk={self.topk}: this per_step context was prefilled with buffers of {slots} rows "
-                       f"!= topk + min(successor_sources ({self.successor_sources}), topk) * successors "
-                       f"({self.successors}) + tail_slots ({self.tail_slots}) = {self.slots_per_head}; "
-                       "these cannot change at decode with per_step")
     state = super().attach_host(cfg, state, context)
-    if self.bridge == "per_step":  # the host's record of what the loaded device buffers hold
+    if self.bridge != "per_step":
+      return state
+    if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
-      state = self._warm_scatter(state)
-    return state
+      return self._warm_scatter(state)
+    # topk or the successors changed at load. A context is saved right after its prefill, so
+    # the first step's rows are selected again as finish_prefill did, into new buffers.
+    n, B, Hq, _, D = state.buf_k.shape
+    rows = (n, B, Hq, self.slots_per_head)
+    state = state.replace(buf_k=jnp.zeros(rows + (D,), state.buf_k.dtype, device=state.buf_k.sharding),
+                          buf_v=jnp.zeros(rows + (D,), state.buf_v.dtype, device=state.buf_v.sharding),
+                          buf_ids=jnp.full(rows, -1, jnp.int32, device=state.buf_ids.sharding))
+    return self._first_rows(cfg, state)
 
   def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
     self.check(state)
@@ -530,17 +536,19 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(dense_ids)], jnp.int32)
     state = state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]),
                           train_q=state.train_q[:, :, :, :0], staged=False)
-    if self.bridge == "per_step":  # the first decode step's rows: selected by the last prompt token's query
-      lengths = np.asarray(state.prompt_lengths)
-      S = self.sinks
-      L, B = cfg.num_layers, len(lengths)
-      last = jnp.asarray(np.maximum(lengths - 1 - S, 0) % self.ring_len, jnp.int32)  # its slot in the query ring
-      last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
-      none = jnp.full((L, B), -1, jnp.int32)
-      state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
-                                                       state.step_evicted_q, none)))
-      state = self._warm_scatter(state)
-    return state
+    return self._first_rows(cfg, state) if self.bridge == "per_step" else state
+
+  def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
+    """per_step, after a prefill: the first decode step's rows, selected by the last prompt
+    token's query (no token has left the window yet)."""
+    lengths = np.asarray(state.prompt_lengths)
+    L, B = cfg.num_layers, len(lengths)
+    last = jnp.asarray(np.maximum(lengths - 1 - self.sinks, 0) % self.ring_len, jnp.int32)  # its query slot
+    last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
+    none = jnp.full((L, B), -1, jnp.int32)
+    state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
+                                                     state.step_evicted_q, none)))
+    return self._warm_scatter(state)
 
 
 def _host_arrays(step):
