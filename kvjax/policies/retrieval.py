@@ -449,7 +449,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     reads them before the new token overwrites their slot; per_step (a longer ring) after."""
     b = jnp.arange(pos.shape[0], dtype=jnp.int32)
     _, _, evicted_pos, slot, q_slot = self._ring_slots(pos)
-    return state.ring_k[layers, b, :, slot], state.ring_v[layers, b, :, slot], state.ring_q[layers, b, :, q_slot], evicted_pos
+    return (state.ring_k[layers, b, :, slot], state.ring_v[layers, b, :, slot], state.ring_q[layers, b, :, q_slot],
+            evicted_pos)
 
   def after_layers(self, cfg, positions, state: RetrievalState) -> RetrievalState:
     """per_step decode: every layer's token leaving the window, for the host, read from the
