@@ -471,9 +471,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     the host retrieved, both on the device."""
     o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
-    o_rows, lse_rows = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
-                                   scale=cfg.attn_scale)
-    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
+    o, _ = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
+                       scale=cfg.attn_scale, prior=(o_dev, lse_dev))
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
@@ -566,18 +565,27 @@ def attend_rows(
     valid,  # [B, H, n] bool
     *,
     scale: float,
+    prior=None,  # (o [B, H, D], lse [B, H]): a partial over other keys, merged in (ops.merge_partials' math)
 ):
-  """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
-  a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
+  """Attention of each head's query over its own few rows (and `prior`'s keys) -> (o [B, H, D]
+  f32, lse [B, H] f32); a head with nothing to attend gets o = 0 and lse = -inf (the merge's
+  empty partial). Merging here, not after, saves the merge's kernels in every layer."""
   exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
   scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
   scores = jnp.where(valid, scores, -jnp.inf)
-  peak = jnp.max(scores, axis=-1, keepdims=True)
+  peak = jnp.max(scores, axis=-1)
+  if prior is not None:
+    peak = jnp.maximum(peak, prior[1])
   peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  weights = jnp.exp(scores - peak)  # exactly 0 where invalid
+  weights = jnp.exp(scores - peak[..., None])  # exactly 0 where invalid
   total = jnp.sum(weights, axis=-1)
-  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact) / jnp.maximum(total, 1e-30)[..., None]
-  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
+  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact)
+  if prior is not None:
+    prior_weight = jnp.exp(prior[1] - peak)  # 0 for an empty prior
+    total = total + prior_weight
+    o = o + jnp.where(prior_weight[..., None] > 0, prior[0].astype(jnp.float32), 0.0) * prior_weight[..., None]
+  o = o / jnp.maximum(total, 1e-30)[..., None]
+  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak, -jnp.inf)
   return o, lse
 
 
