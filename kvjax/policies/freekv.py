@@ -116,7 +116,7 @@ from kvjax import freekv_host, kv_codec, row_update
 from kvjax.policies import page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
-from kvjax.policies.retrieval import _rings_from_dense
+from kvjax.policies.retrieval import _rings_from_dense, attend_ring
 from models.config import ModelConfig
 
 BRIDGES = ("per_layer", "per_step")
@@ -954,16 +954,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype), mode="promise_in_bounds")
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype), mode="promise_in_bounds")
 
-    # Attention over the ring, one call over two intervals: the circular recent part up to the
-    # ring's end, and the sinks joined to its wrapped rest.
-    c_ring = self._ring_pages(pos)  # = c_prev with lag 1
-    local_start = S + c_ring * P
-    count = jnp.maximum(pos + 1 - local_start, 0)
-    a = (local_start - S) % ring_len
-    ring = ops.partial_attention(q0, ring_k, ring_v, S + jnp.minimum(a + count, ring_len), starts=S + a,
-                                 starts2=jnp.zeros_like(pos),
-                                 lengths2=jnp.where(pos >= S, S + jnp.maximum(a + count - ring_len, 0), pos + 1),
-                                 layer=layer, scale=cfg.attn_scale, implementation=impl)
+    # Attention over the ring from the first position past the pages complete in the pool.
+    local_start = S + self._ring_pages(pos) * P  # = c_prev with lag 1
+    ring = attend_ring(q0, ring_k, ring_v, pos, local_start, sinks=S, ring_len=ring_len, layer=layer,
+                       scale=cfg.attn_scale, implementation=impl)
     state = state.replace(ring_k=ring_k, ring_v=ring_v)
 
     if self.bridge == "per_step":

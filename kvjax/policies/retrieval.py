@@ -432,15 +432,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_k = state.ring_k.at[layer, b, :, slot].set(k[:, 0].astype(state.ring_k.dtype))
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
-    # [lo, pos] in ring order: from slot S + a up to the ring's end, then wrapped to S on,
-    # joined to the sinks as the second interval.
     lo = jnp.maximum(jnp.maximum(pos - R + 1, state.prompt_lengths - W), S)
-    count = jnp.maximum(pos + 1 - lo, 0)
-    a = (lo - S) % R
-    o_dev, lse_dev = ops.partial_attention(
-        q[:, 0], ring_k, ring_v, S + jnp.minimum(a + count, R), starts=S + a, starts2=jnp.zeros_like(pos),
-        lengths2=jnp.where(pos >= S, S + jnp.maximum(a + count - R, 0), pos + 1), layer=layer,
-        scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
+    o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
+                                 scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
 
   def _evicted(self, state: RetrievalState, layers, pos):
@@ -471,8 +465,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     the host retrieved, both on the device."""
     o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
-    o, _ = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
-                       scale=cfg.attn_scale, prior=(o_dev, lse_dev))
+    o_rows, lse_rows = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
+                                   scale=cfg.attn_scale)
+    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
@@ -565,28 +560,43 @@ def attend_rows(
     valid,  # [B, H, n] bool
     *,
     scale: float,
-    prior=None,  # (o [B, H, D], lse [B, H]): a partial over other keys, merged in (ops.merge_partials' math)
 ):
-  """Attention of each head's query over its own few rows (and `prior`'s keys) -> (o [B, H, D]
-  f32, lse [B, H] f32); a head with nothing to attend gets o = 0 and lse = -inf (the merge's
-  empty partial). Merging here, not after, saves the merge's kernels in every layer."""
+  """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
+  a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
   exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
   scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
   scores = jnp.where(valid, scores, -jnp.inf)
-  peak = jnp.max(scores, axis=-1)
-  if prior is not None:
-    peak = jnp.maximum(peak, prior[1])
+  peak = jnp.max(scores, axis=-1, keepdims=True)
   peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  weights = jnp.exp(scores - peak[..., None])  # exactly 0 where invalid
+  weights = jnp.exp(scores - peak)  # exactly 0 where invalid
   total = jnp.sum(weights, axis=-1)
-  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact)
-  if prior is not None:
-    prior_weight = jnp.exp(prior[1] - peak)  # 0 for an empty prior
-    total = total + prior_weight
-    o = o + jnp.where(prior_weight[..., None] > 0, prior[0].astype(jnp.float32), 0.0) * prior_weight[..., None]
-  o = o / jnp.maximum(total, 1e-30)[..., None]
-  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak, -jnp.inf)
+  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact) / jnp.maximum(total, 1e-30)[..., None]
+  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
   return o, lse
+
+
+def attend_ring(
+    q,  # [B, Hq, D] one decode query per sequence
+    ring_k,  # [L, B, Hkv, sinks + ring_len, D]: slot s < sinks holds position s, slot
+    ring_v,  # sinks + (p - sinks) % ring_len holds position p (the latest written)
+    pos,  # [B] int32: the newest position, already written
+    lo,  # [B] int32, >= sinks: the oldest non-sink position to attend
+    *,
+    sinks: int,
+    ring_len: int,
+    layer,
+    scale: float,
+    implementation: str,
+):
+  """(o, lse) over the sinks and positions [lo, pos] of a circular ring, in one
+  ops.partial_attention call of two intervals: from lo's slot up to the ring's end, and the
+  sinks joined to the wrapped rest (freekv's ring and retrieval's)."""
+  count = jnp.maximum(pos + 1 - lo, 0)
+  a = (lo - sinks) % ring_len
+  return ops.partial_attention(
+      q, ring_k, ring_v, sinks + jnp.minimum(a + count, ring_len), starts=sinks + a, starts2=jnp.zeros_like(pos),
+      lengths2=jnp.where(pos >= sinks, sinks + jnp.maximum(a + count - ring_len, 0), pos + 1), layer=layer,
+      scale=scale, implementation=implementation)
 
 
 def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, ring_len: int):
