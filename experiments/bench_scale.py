@@ -52,11 +52,16 @@ POLICIES = {
     # reloads the spec row's context when both run)
     "retrieval_step_lag2_kv_spec_s0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                      "speculative": True, "successors": 0}),
+    # host threads at the caller's priority (background_nice 0), as before 2026-12-03: what
+    # lowering them (the default, 10) gains, side by side (a decode option, like _s0)
+    "retrieval_step_lag2_kv_spec_nice0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                        "speculative": True, "background_nice": 0}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
     "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
     "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
+    "freekv_step_lag2_nice0": ("freekv", {"bridge": "per_step", "lag": 2, "background_nice": 0}),
     "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
     "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),
     "freekv_step_lag2_int8": ("freekv", {"bridge": "per_step", "lag": 2, "host_codec": "int8"}),

@@ -30,6 +30,7 @@ POLICY_FLAGS = {
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
+    "background_nice": "background_nice",
 }
 
 
@@ -74,6 +75,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("host_codec", None, ["none", "int8"],
                     "freekv: host K/V in the model's dtype, or int8 with a scale per token and head (0.52x the "
                     "bytes at head_dim 128; encoded and decoded on the device).")
+  flags.DEFINE_integer("background_nice", None, "retrieval, freekv: Linux nice value (0-19) of the host threads "
+                       "working while the device computes, so they yield the cores to the kernel launches (default "
+                       "10; 0: unchanged).")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

@@ -97,7 +97,7 @@ class FreeKVRuntime:
   """One run's host page store, recall settings, counters and error log."""
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int,
-               sparse_layers: int, step_buffers: int = 1):
+               sparse_layers: int, step_buffers: int = 1, background_nice: int = 0):
     """Wraps `context` and registers the runtime.
 
     Args:
@@ -109,10 +109,13 @@ class FreeKVRuntime:
       sparse_layers: layers that call back each step (turns callbacks into steps).
       step_buffers: packed host buffers the per_step exchanges rotate through (2 when one
         exchange runs while the previous one's copy may still be in flight: lag 2).
+      background_nice: nice value of the lag-2 exchange thread (host_runtime.background_worker).
     """
     self.context = context
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
+    host_runtime.check_background_nice(background_nice)
+    self.background_nice = int(background_nice)
     self.stats = FreeKVStats()
     self.buffers = row_update.StepBuffers(step_buffers)
     self.errors: list[str] = []
@@ -124,7 +127,7 @@ class FreeKVRuntime:
   def worker(self) -> concurrent.futures.ThreadPoolExecutor:
     """The one host thread lag-2 exchanges run on (in order)."""
     if self._worker is None:
-      self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="freekv-exchange")
+      self._worker = host_runtime.background_worker("freekv-exchange", self.background_nice)
     return self._worker
 
   def drain(self) -> None:

@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 import host_index
-from kvjax.host_runtime import HostRuntime, available_cores, group_mean_cosine, reuse_hits
+from kvjax.host_runtime import HostRuntime, available_cores, background_worker, group_mean_cosine, reuse_hits
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -110,7 +110,7 @@ class PrefetchRuntime(HostRuntime):
     self.successor_sources = min(int(successor_sources), self.topk)
     self.search_threads = available_cores()  # nothing else runs on the host during the search
     self.buffers = StepBuffers()
-    self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvjax-prefetch")
+    self._prefetcher = background_worker("kvjax-prefetch", self.background_nice)
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
     # updates returned so far leave it; None until the first step (or set from a loaded state).

@@ -1,13 +1,15 @@
 """`retrieval`: exact when the budget covers the context, one host callback per layer and
 step, evicted tokens stay retrievable, host errors surface after the step."""
 
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvjax
 from kvjax import host_runtime
-from kvjax.policies import RetrievalAttention
+from kvjax.policies import RetrievalAttention, make_policy
 from test_generate import random_prompt, tiny_model
 
 SMALL = dict(sinks=4, window=8)
@@ -173,6 +175,37 @@ def test_background_threads_default_to_half_the_cores():
     runtime.close()
   with pytest.raises(ValueError, match="background_threads"):
     host_runtime.HostRuntime(context, sinks=0, window=1, topk=2, ef=None, scale=1.0, background_threads=0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_worker_lowers_its_threads_priority():
+  """The worker's thread and the threads it starts (as an OpenMP team would) run at the nice
+  value asked for; the caller's own priority is untouched."""
+  import os
+  import threading
+
+  def nice():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+  def nice_of_a_thread_it_starts():
+    seen = []
+    child = threading.Thread(target=lambda: seen.append(nice()))
+    child.start()
+    child.join()
+    return seen[0]
+
+  before = nice()
+  target = min(19, before + 7)
+  with host_runtime.background_worker("test-nice", target) as worker:
+    assert worker.submit(nice).result() == target
+    assert worker.submit(nice_of_a_thread_it_starts).result() == target
+  with host_runtime.background_worker("test-nice", 0) as worker:
+    assert worker.submit(nice).result() == before
+  assert nice() == before
+  for policy in ("retrieval", "freekv"):
+    for bad in (-1, 20, 1.5, True, "10"):
+      with pytest.raises(ValueError, match="background_nice"):
+        make_policy(policy, background_nice=bad)
 
 
 def test_cpu_training_topk_equals_the_device_op():

@@ -112,7 +112,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import freekv_host, kv_codec, row_update
+from kvjax import freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
@@ -486,6 +486,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       decoded on the device). The attended pages are then approximations of the keys and
       values, within max|row| / 254 per element.
     implementation: device kernels, "auto" | "pallas" | "xla".
+    background_nice: per_step lag 2: Linux nice value (0-19) of the exchange thread and its
+      OpenMP team, so they yield the cores to the thread launching the step's kernels
+      (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
   """
 
   budget: int = 2048
@@ -503,8 +506,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   sync_transfer: bool = False
   page_summary: str = "minmax"
   host_codec: str = "none"
+  background_nice: int = 10
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer")
+  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer", "background_nice")
   takes_written_prompt = True
   reads_prompt_queries = True  # the prompt's last query (prev_q)
 
@@ -551,6 +555,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.page_summary not in page_summary.SUMMARIES:
       raise ValueError(f"page_summary={self.page_summary!r}; expected one of {page_summary.SUMMARIES}")
     kv_codec.check(self.host_codec)
+    host_runtime.check_background_nice(self.background_nice)
 
   @property
   def n_sel(self) -> int:
@@ -684,7 +689,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def new_runtime(self, cfg: ModelConfig, context) -> freekv_host.FreeKVRuntime:
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
     return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
-                                     sparse_layers=sparse, step_buffers=self.lag)
+                                     sparse_layers=sparse, step_buffers=self.lag,
+                                     background_nice=self.background_nice)
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""

@@ -163,6 +163,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   roar_heads: "query" (one roar graph per query head) or "kv" (one per KV head, trained on its
     group's queries: 1/G of the memory, builds and inserts, ~25% more keys scanned for the same
     recall on Gemma-3 32K; host_index/NOTES_roar.md).
+  background_nice: Linux nice value (0-19) of the host threads that work while the device
+    computes (indexing, speculative search, per_step lag 2's exchange) and of their OpenMP
+    teams, so they yield the cores to the thread launching the step's kernels
+    (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
   """
 
   index: str = "roar"
@@ -183,11 +187,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   successor_sources: int = 8
   transfer: str = "page_locked"
   roar_heads: str = "query"
+  background_nice: int = 10
   name: str = "retrieval"
   # per_step's row buffers are sized by topk and the successors: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources")
+                    "successor_sources", "background_nice")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -225,6 +230,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"roar_heads={self.roar_heads!r}; expected 'query' or 'kv'")
     if self.roar_heads == "kv" and self.index != "roar":
       raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
+    host_runtime.check_background_nice(self.background_nice)
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
@@ -285,7 +291,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def new_runtime(self, cfg: ModelConfig, context) -> host_runtime.HostRuntime:
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
-    common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale)
+    common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
+                  background_nice=self.background_nice)
     if self.bridge == "per_step":
       # The host is idle while the device runs a step: the background indexing may use every core.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
