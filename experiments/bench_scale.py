@@ -90,6 +90,8 @@ flags.DEFINE_integer("retrieval_topk", 100, "Top-k of the retrieval policies.")
 flags.DEFINE_integer("sinks", None, "Device-resident first tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("window", None, "Device-resident recent tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("budget", None, "freekv's token budget (default: its own).")
+flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
+                  "How the per_step policies' row and page updates reach the device (default: their own).")
 flags.DEFINE_integer("max_recall", None, "freekv's pages recalled per (seq, KV head) and phase per step, which sizes "
                      "its callbacks' static page buffers (default: n_sel).")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
@@ -124,6 +126,8 @@ def policy_options(name: str, options: dict) -> dict:
     options |= {k: getattr(FLAGS, k) for k in ("sinks", "window") if getattr(FLAGS, k) is not None}
   if name == "freekv":
     options |= {k: getattr(FLAGS, k) for k in ("budget", "max_recall") if getattr(FLAGS, k) is not None}
+  if FLAGS.transfer is not None and options.get("bridge") == "per_step":
+    options["transfer"] = FLAGS.transfer
   return options
 
 
