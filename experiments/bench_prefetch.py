@@ -20,6 +20,7 @@ from __future__ import annotations
 import cProfile
 import copy
 import pstats
+import threading
 import time
 
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ import numpy as np
 from absl import app, flags
 
 import host_index
+from gil_probe import GilProbe
 from kvjax.host_runtime import available_cores
 from kvjax.prefetch_runtime import PrefetchRuntime, slot_stores
 import results_io
@@ -49,6 +51,8 @@ flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculat
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
                      "per_step's `successors`, whose default there is its lag).")
 flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
+flags.DEFINE_integer("gil_probe_steps", 8, "Steps run again after the timed ones beside a thread that needs the GIL "
+                     "(experiments/gil_probe.py): how long the decode loop's main thread would wait for it.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
 FLAGS = flags.FLAGS
@@ -140,6 +144,11 @@ def main(argv):
       per_step.append({p: getattr(runtime.stats, p) - getattr(before, p) for p in PHASES} | {"total": total})
       shipped.append(update.count)
       packed_bytes.append(update.packed.nbytes)
+    base = 2 + FLAGS.steps
+    with GilProbe(threading.get_ident()) as probe:
+      for i in range(base, base + FLAGS.gil_probe_steps):
+        update = step(i)  # (its buffers are reused: compare_gathers needs the latest)
+      runtime._wait_background(-1)
     runtime._wait_background(-1)
     compare = compare_gathers(runtime, update)
   finally:
@@ -156,7 +165,7 @@ def main(argv):
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
              search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),
              shipped_rows=int(np.median(shipped)), slots=L * Hq * runtime.slots,
-             update_bytes=int(np.median(packed_bytes)))
+             update_bytes=int(np.median(packed_bytes))) | probe.summary(max(1, FLAGS.gil_probe_steps))
   rows = [row, compare]
   stats = pstats.Stats(profiler)
   top = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:FLAGS.profile_top]  # by own time
@@ -164,6 +173,8 @@ def main(argv):
     rows.append(dict(kind="profile", function=f"{function} ({filename.rsplit('/', 1)[-1]}:{line})",
                      calls_per_step=round(calls / FLAGS.steps, 1), own_ms_per_step=round(1e3 * own / FLAGS.steps, 3),
                      cumulative_ms_per_step=round(1e3 * cumulative / FLAGS.steps, 3)))
+  for where, waited in probe.by_line.most_common(FLAGS.profile_top):
+    rows.append(dict(kind="gil_hold", where=where, probe_wait_ms_per_step=round(1e3 * waited / FLAGS.gil_probe_steps, 3)))
   for r in rows:
     print(r)
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=NOTES)

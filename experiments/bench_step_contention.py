@@ -13,7 +13,7 @@ other Python threads run one kind of load:
   gil1_switch0.5  the same with sys.setswitchinterval(0.0005) (Python's default: 0.005)
   cpu8, cpu16     8 / 16 threads in BLAS (256x256 float32 matmuls, GIL released; set
                   OPENBLAS_NUM_THREADS=1), cpu16_nice10 at nice 10
-  mem8            8 threads copying 256 MB arrays (GIL released): DRAM bandwidth
+  mem8            8 threads copying --copy_mb arrays (GIL released): DRAM bandwidth
 
 Why: in a per_step decode the exchange thread works while the device computes, and the jitted
 step measured inside decode (kvjax.GenerationResult's jitted part) was 2.5x full's at 8B shapes
@@ -41,6 +41,7 @@ flags.DEFINE_string("model", "random:llama3-8b", "Model name.")
 flags.DEFINE_integer("context_len", 8192, "Prompt tokens (random ids).")
 flags.DEFINE_list("policies", list(POLICIES), f"Policies, from {list(POLICIES)}.")
 flags.DEFINE_integer("steps", 40, "Timed steps per case (the median is reported).")
+flags.DEFINE_integer("copy_mb", 256, "Size of the arrays the mem8 threads copy (each thread holds two).")
 flags.DEFINE_boolean("trace", False, "GPU only: also the device busy time of a quiet step from the profiler.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_step_contention", "Results file name.")
@@ -60,7 +61,7 @@ def _python(stop: threading.Event) -> None:
 
 
 def _copies(stop: threading.Event) -> None:
-  a = np.ones(64 << 20, np.float32)
+  a = np.ones(FLAGS.copy_mb << 18, np.float32)
   b = np.empty_like(a)
   while not stop.is_set():
     np.copyto(b, a)

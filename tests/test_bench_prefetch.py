@@ -27,12 +27,37 @@ def test_speculative_reuse_searches_fewer_heads(tmp_path):
 
 def test_bench_prefetch_small(tmp_path):
   doc = run_bench(tmp_path, "small", "--steps=3")
-  step, compare, *profile = doc["rows"]
+  step, compare, *rest = doc["rows"]
+  profile = [r for r in rest if r["kind"] == "profile"]
+  assert all(r["kind"] in ("profile", "gil_hold") for r in rest)
+  assert step["gil_wait_ms_per_step"] >= step["gil_long_wait_ms_per_step"] >= 0
   assert compare["kind"] == "gather_compare" and compare["rows"] > 0 and compare["stores"] == 2
   assert compare["per_store_ms"] > 0 and compare["one_call_ms"] > 0
   assert step["kind"] == "prefetch_step" and step["slots"] == 2 * 4 * (10 + 8)
   assert 0 < step["shipped_rows"] <= step["slots"]  # queries drift: some rows enter, never more than all
   assert step["total_ms"] >= step["search_ms"] > 0
   assert step["update_bytes"] >= step["shipped_rows"] * (8 + 2 * 16 * 2)  # bf16 rows + dest + id, padded
-  assert profile and all(r["kind"] == "profile" for r in profile)
+  assert profile
   assert (tmp_path / "small.md").exists()
+
+
+def test_gil_probe_sees_a_thread_that_holds_the_gil():
+  """The probe's long waits add up to most of a pure-Python spin, and to little of a sleep."""
+  import threading
+  import time
+
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  from gil_probe import GilProbe
+
+  def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+      pass
+
+  with GilProbe(threading.get_ident(), threshold=0.001) as busy:
+    spin(0.3)
+  with GilProbe(threading.get_ident(), threshold=0.001) as idle:
+    time.sleep(0.3)
+  assert busy.summary(1)["gil_long_wait_ms_per_step"] > 150
+  assert idle.summary(1)["gil_long_wait_ms_per_step"] < 60
+  assert busy.by_line and all(isinstance(where, str) for where in busy.by_line)
