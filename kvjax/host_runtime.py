@@ -108,10 +108,11 @@ def background_worker(name: str, nice: int) -> concurrent.futures.ThreadPoolExec
 
   Its thread runs at Linux nice value `nice` (0: unchanged), and so does every OpenMP thread it
   starts (a thread inherits its creator's nice value), so that they yield the cores to the
-  thread launching the step's kernels. Why: a decode step is hundreds of small kernels, and the
-  device idles while their launcher waits for a core: measured on the H200 host (8B shapes,
-  8K, retrieval per_step with 879 kernels a step), 16 busy threads on the 16 cores stretched
-  the jitted step from 6.1 to 10.0 ms, against 6.0 to 6.4 ms for full's 615 kernels.
+  thread launching the step's kernels. Measured on the H200 host: 16 busy threads stretched an
+  isolated 8B-shaped per_step step (879 kernels) from 7.4 to 11.9 ms, and nice 10 won back
+  little of that (11.3); inside decode, nice 10 took the jitted step from 21.4 to 17.5 ms (8B,
+  8K) and freekv per_step lag 2 from 7.6 to 6.6 ms a token (128K). Busy cores are the smaller
+  cost: a thread holding the GIL is the larger (experiments/results/bench_step_contention_h200.md).
   """
   return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                                initializer=_lower_priority, initargs=(nice,))
