@@ -82,6 +82,18 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
+def _saved_shapes(checkpointer, path: str):
+  """The shape tree of a saved checkpoint from its metadata, or None where this orbax version
+  lays its metadata out otherwise (the restore then checks the shapes)."""
+  try:
+    meta = checkpointer.metadata(path)
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return jax.tree.map(lambda x: tuple(x.shape), tree, is_leaf=lambda x: hasattr(x, "shape"))
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def save(key: str, cfg: ModelConfig, params, *, extra: dict | None = None, cache_dir=None) -> str:
   """Writes `params` (NumPy or jax arrays, layer-stacked) and `cfg` under `key`, atomically.
 
@@ -181,6 +193,10 @@ def load(key: str, *, cache_dir=None, device=None) -> tuple[ModelConfig, Any, di
         is_leaf=lambda x: isinstance(x, tuple),
     )
     ck = _checkpointer()
+    saved = _saved_shapes(ck, os.path.join(entry, "ckpt"))
+    if saved is not None and saved != jax.tree.map(lambda a: a.shape, abstract):
+      # Checked before the restore: one that fails part-way leaves orbax's coroutines abandoned.
+      raise ValueError("stored shapes differ from the config's")
     params = ck.restore(os.path.join(entry, "ckpt"), abstract)
     ck.close()
     got = jax.tree.map(lambda a: (tuple(a.shape), a.dtype), params)
