@@ -149,7 +149,6 @@ def main(argv):
       for i in range(base, base + FLAGS.gil_probe_steps):
         update = step(i)  # (its buffers are reused: compare_gathers needs the latest)
       runtime._wait_background(-1)
-    runtime._wait_background(-1)
     compare = compare_gathers(runtime, update)
   finally:
     runtime.close()

@@ -91,7 +91,8 @@ flags.DEFINE_integer("sinks", None, "Device-resident first tokens of the sparse 
 flags.DEFINE_integer("window", None, "Device-resident recent tokens of the sparse policies (default: theirs).")
 flags.DEFINE_integer("budget", None, "freekv's token budget (default: its own).")
 flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
-                  "How the per_step policies' row and page updates reach the device (default: their own).")
+                  "How the per_step policies' row and page updates reach the device, for the presets that "
+                  "do not name one (default: the policies' own).")
 flags.DEFINE_integer("max_recall", None, "freekv's pages recalled per (seq, KV head) and phase per step, which sizes "
                      "its callbacks' static page buffers (default: n_sel).")
 flags.DEFINE_integer("prefill_chunk", 4096, "Prefill chunk (real contexts and the calibration).")
@@ -127,7 +128,7 @@ def policy_options(name: str, options: dict) -> dict:
   if name == "freekv":
     options |= {k: getattr(FLAGS, k) for k in ("budget", "max_recall") if getattr(FLAGS, k) is not None}
   if FLAGS.transfer is not None and options.get("bridge") == "per_step":
-    options["transfer"] = FLAGS.transfer
+    options.setdefault("transfer", FLAGS.transfer)  # a preset naming its own (_pinned) keeps it
   return options
 
 
