@@ -55,8 +55,9 @@ class GilProbe:
     return f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
 
   def summary(self, steps: int) -> dict:
-    """Per watched step: seconds the probe waited in all, in waits over the threshold, and
-    their count; and the longest wait."""
+    """Per watched step: ms the probe waited in all (its own sleep calls included, so it tracks
+    the wall time: the long waits are the signal), in waits over the threshold, and their
+    count; and the longest wait."""
     long = [w for w in self.waits if w > self.threshold]
     return dict(gil_wait_ms_per_step=round(1e3 * sum(self.waits) / steps, 3),
                 gil_long_wait_ms_per_step=round(1e3 * sum(long) / steps, 3),

@@ -114,8 +114,7 @@ class FreeKVRuntime:
     self.context = context
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
-    host_runtime.check_background_nice(background_nice)
-    self.background_nice = int(background_nice)
+    self.background_nice = background_nice  # checked by background_worker
     self.stats = FreeKVStats()
     self.buffers = row_update.StepBuffers(step_buffers)
     self.errors: list[str] = []

@@ -114,6 +114,7 @@ def background_worker(name: str, nice: int) -> concurrent.futures.ThreadPoolExec
   8K) and freekv per_step lag 2 from 7.6 to 6.6 ms a token (128K). Busy cores are the smaller
   cost: a thread holding the GIL is the larger (experiments/results/bench_step_contention_h200.md).
   """
+  check_background_nice(nice)
   return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                                initializer=_lower_priority, initargs=(nice,))
 
@@ -162,8 +163,7 @@ class HostRuntime:
     if self.background_threads < 1:
       raise ValueError(f"background_threads={background_threads} must be >= 1")
     self.critical_threads = max(1, available_cores() - self.background_threads)
-    check_background_nice(background_nice)
-    self.background_nice = int(background_nice)
+    self.background_nice = background_nice
     self.stats = HostStats()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search

@@ -202,6 +202,8 @@ def test_background_worker_lowers_its_threads_priority():
   with host_runtime.background_worker("test-nice", 0) as worker:
     assert worker.submit(nice).result() == before
   assert nice() == before
+  with pytest.raises(ValueError, match="background_nice"):
+    host_runtime.background_worker("test-nice", 20)
   for policy in ("retrieval", "freekv"):
     for bad in (-1, 20, 1.5, True, "10"):
       with pytest.raises(ValueError, match="background_nice"):

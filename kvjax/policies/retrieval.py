@@ -294,7 +294,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
                   background_nice=self.background_nice)
     if self.bridge == "per_step":
-      # The host is idle while the device runs a step: the background indexing may use every core.
+      # The background indexing may use every core: at nice `background_nice` it yields them to
+      # the thread launching the step's kernels.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative,
