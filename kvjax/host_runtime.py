@@ -177,7 +177,9 @@ class HostRuntime:
 
   def close(self) -> None:
     unregister(self.id)
-    self._executor.shutdown(wait=True, cancel_futures=True)
+    # Queued jobs still run: one may index tokens already stored, and cancelling it left the
+    # index behind its store (seen once the thread ran at background_nice and started late).
+    self._executor.shutdown(wait=True)
 
   def raise_errors(self) -> None:
     if self.errors:
