@@ -56,6 +56,10 @@ POLICIES = {
     # lowering them (the default, 10) gains, side by side (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_nice0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                         "speculative": True, "background_nice": 0}),
+    # 32 tail slots (default 8): each KV-head group is refreshed every 16 steps instead of every 4
+    # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
+    "retrieval_step_lag2_kv_spec_t32": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                      "speculative": True, "tail_slots": 32}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

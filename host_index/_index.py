@@ -45,13 +45,16 @@ METRICS = {"l2": 0, "ip": 1}
 # real Gemma-3 32K vectors that takes the keys scanned for recall@100 0.95
 # from 6.6% (RoarGraph's M 35 alone) to under 3% (host_index/NOTES_roar.md). ef_insert
 # is the candidate list of inserts after the build (0: ef_construction for
-# graph, L for roar); see build_index for its cost and recall.
+# graph, L for roar). roar's 64: decode inserts every token leaving the window
+# into every index, and on real SmolLM2 vectors ef 64 costs two thirds of L 100's
+# time per insert for 0.3 points of recall@100, ef 32 under half for 1.7 points
+# (experiments/results/bench_insert_smollm2_8k.md).
 DEFAULT_PARAMS = {
     "flat": {},
     "ivf": {"nlist": 0, "niter": 10},
     "graph": {"M": 16, "ef_construction": 200, "metric": "l2", "alpha": 1.0, "ef_insert": 0},
     "roar": {"n_q": 100, "M": 6, "L": 100, "metric": "l2", "n_pivots": 1, "alpha": 1.0,
-             "ef_insert": 0, "n_cooc": 40, "n_hubs": 32},
+             "ef_insert": 64, "n_cooc": 40, "n_hubs": 32},
 }
 
 

@@ -8,15 +8,16 @@ So this bridge keeps the host off the step: the device attends its ring (sinks +
 plus a buffer of retrieved keys and values the host prepared before the step; the step
 exports every layer's query and the token it evicted; between steps the host
 
-  1. waits for the background indexing of the previous step's evicted tokens (it ran while
-     the device computed the step that just ended),
+  1. waits for the background indexing of the previous step's evicted tokens (it ran beside
+     the previous exchange's gather and copy, and the device's step),
   2. stores the tokens evicted by the step that just ended (a copy; indexed in the background),
   3. searches every layer's index with that step's queries, top-k per query head, all cores,
-  4. compares each head's new selection (top-k plus every stored-but-unindexed token, so
+  4. starts the indexing of the new tokens on a background thread (the indexes are not read
+     again before step 1 of the next exchange),
+  5. compares each head's new selection (top-k plus every stored-but-unindexed token, so
      nothing is lost) with what its device slots hold, and gathers only the rows that enter:
      a `RowUpdate` the caller copies to the device and scatters into its [L, B, Hq, slots, D]
-     buffers (ids kept from one step to the next keep their slot and are not sent again),
-  5. starts the indexing of the new tokens on a background thread.
+     buffers (ids kept from one step to the next keep their slot and are not sent again).
 
 Why only entering rows: the whole [L, B, Hq, slots, D] K and V buffers are 56 MiB per step for
 Llama-3-8B shapes, 9.6 ms at the ~6 GB/s of a pageable host->device copy on the H200 machine
@@ -29,7 +30,7 @@ a one-step lag for every head and no synchronous correction (a correction would 
 host inside the step again). `HostStats.hit_rate` measures what the lag costs: the share of
 the ids used at a step that the same step's own query would also have retrieved.
 
-With lag 1 steps 1-5 sit between two device steps, on the critical path. With lag 2 they run on
+With lag 1 steps 1-3 and 5 sit between two device steps, on the critical path. With lag 2 they run on
 a background thread while the device computes the next step (`start_prefetch`): the rows used
 at step t+1 were searched with the query of step t-1, and the critical path only waits for
 the job started one step earlier (`take_prefetched`, counted in `step_wait_seconds`). The
@@ -201,6 +202,9 @@ class PrefetchRuntime(HostRuntime):
     self._searched_at[layers] = np.where(searched, self._exchanges, self._searched_at[layers])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
+    # The indexes are not read again until the next exchange (which waits for this job first): the
+    # indexing runs beside the gather and the copy to the device, which read only the store.
+    self._submit_background(-1, None)
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
     # The selections, in no slot order (each head's latest top-k, every stored token that search
@@ -229,7 +233,6 @@ class PrefetchRuntime(HostRuntime):
     update = self._gather_update(wanted)  # advances slot_ids
     self.stats.gather_seconds += time.perf_counter() - t3
     self.stats.attend_seconds += time.perf_counter() - t2
-    self._submit_background(-1, None)
     self.stats.callbacks += 1
     self.stats.callback_seconds += time.perf_counter() - t0
     return update

@@ -183,3 +183,43 @@ def test_connect_candidates_only_for_roar_and_key_neighbours_checks():
         hi.key_neighbours(np.zeros((5, 4), np.float32), 0)
     with pytest.raises(ValueError, match=r"\[N, D\]"):
         hi.key_neighbours(np.zeros((2, 5, 4), np.float32), 3)
+
+
+def adjacency(ix):
+    """{node: its out-links} of a graph index."""
+    st = ix._c.export()
+    adj = np.frombuffer(st["adj"], np.int32).reshape(st["n"], st["R"])
+    deg = np.frombuffer(st["deg"], np.int32)
+    return {u: adj[u, :deg[u]].tolist() for u in range(st["n"])}
+
+
+def test_roar_insert_into_a_full_list_swaps_out_its_farthest_link_only():
+    """A decode-time roar insert links the new key from its neighbours; a neighbour whose list is
+    full keeps it full and keeps every other link (its co-occurrence links among them), giving up
+    only its link farthest from it (L2), and only to a key closer than that link."""
+    keys, train, _ = roar_data(n=1000)
+    new = clustered(40, 16, seed=9)
+    ix = hi.build_index(keys, kind="roar", train_queries=train, threads=1)
+    R = ix._c.export()["R"]
+    swaps = 0
+    for i in range(len(new)):
+        before = adjacency(ix)
+        x = len(keys) + i
+        ix.insert(new[i:i + 1], queries=new[i:i + 1] * 2, threads=1)
+        after = adjacency(ix)
+        every = np.concatenate([keys, new[:i + 1]])
+        for u in before:
+            if before[u] == after[u]:
+                continue
+            assert x in after[u] and x not in before[u]
+            if len(before[u]) < R:  # room left: appended
+                assert after[u] == before[u] + [x]
+                continue
+            swaps += 1
+            out = set(before[u]) - set(after[u])
+            assert len(after[u]) == R and len(out) == 1
+            far = np.linalg.norm(every[before[u]] - every[u], axis=1)
+            gone = before[u].index(out.pop())
+            assert far[gone] == far.max()
+            assert np.linalg.norm(every[x] - every[u]) < far[gone]
+    assert swaps > 0  # the build filled lists: the swap path ran

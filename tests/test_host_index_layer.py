@@ -312,10 +312,10 @@ def test_insert_many_bad_input_and_partial_failure():
 
 @pytest.mark.parametrize("kind", ["graph", "roar"])
 def test_ef_insert(kind):
-    """0 (the default) is ef_construction / L; a small list still links new keys findably."""
+    """0 is ef_construction / L; a small list still links new keys findably."""
     same = hi.DEFAULT_PARAMS[kind]["ef_construction" if kind == "graph" else "L"]
     ctxs = [hi.HostContext(1, 1, HQ, HKV, D, kind=kind, index_params=p)
-            for p in ({}, {"ef_insert": same}, {"ef_insert": 4})]
+            for p in ({"ef_insert": 0}, {"ef_insert": same}, {"ef_insert": 4})]
     k, v, q = new_tokens(1, 200, seed=6)
     for ctx in ctxs:
         for i in range(0, 200, 10):  # decode-style: from empty, a few tokens at a time

@@ -247,8 +247,8 @@ def test_saved_context_decodes_token_for_token(tmp_path, lag):
                         return_logits=True)
   assert loaded.tokens == direct.tokens
   np.testing.assert_allclose(loaded.logits, direct.logits, rtol=1e-5, atol=1e-5)
-  # Other row buffers at load (top-k, successors): as a prefill with those options.
-  other = dict(topk=9, successors=0)
+  # Other row buffers at load (top-k, successors, tail slots): as a prefill with those options.
+  other = dict(topk=9, successors=0, tail_slots=6)
   fresh = kvjax.generate(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", prefill_chunk=16,
                          policy_options=options | other, return_logits=True)
   resized = kvjax.decode(model, kvjax.load_context(tmp_path / "c", model, policy_options=other),

@@ -28,6 +28,7 @@ typedef struct {
   int metric;
   float alpha;
   int cap; /* out-degree limit of add_link / repair: M while building roar, else R */
+  int keep_links; /* add_link into a full list swaps out its farthest link (roar inserts) */
   _Atomic int64_t ndist;
 } gctx_t;
 
@@ -214,8 +215,26 @@ static int select_nbrs(gctx_t *g, const hi_pair *cands, int64_t nc, int32_t *out
   return ns;
 }
 
+/* u's full list takes x in place of its link farthest from u, when x is closer than that
+ * link. Why not re-select (below) for roar's decode-time inserts: the re-selection keeps a
+ * diverse few of u's links by distance and so drops its co-occurrence links, which carry
+ * roar's recall, and it costs ~R^2 / 2 distances where this costs R + 1. */
+static void swap_farthest(gctx_t *g, int32_t *a, int d, int32_t u, int32_t x, hi_ws_t *ws) {
+  int32_t ids[HI_MAX_R + 1];
+  float dd[HI_MAX_R + 1];
+  memcpy(ids, a, (size_t)d * sizeof(int32_t));
+  ids[d] = x;
+  dist_ids(g->keys, g->metric, row_f32(g->keys, u, ws->row2), ids, d + 1, dd);
+  atomic_fetch_add_explicit(&g->ndist, d + 1, memory_order_relaxed);
+  int far = 0;
+  for (int j = 1; j < d; j++)
+    if (dd[j] > dd[far]) far = j;
+  if (dd[d] < dd[far]) a[far] = x;
+}
+
 /* Add the edge u -> x; when u is full, re-select u's neighbours among its
- * current ones plus x (hnswlib's "shrink connections"). */
+ * current ones plus x (hnswlib's "shrink connections"), or with keep_links
+ * swap_farthest. */
 static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
   hi_index_t *ix = g->ix;
   hi_pair pairs[HI_MAX_R + 1];
@@ -229,6 +248,8 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
     if (d < g->cap) {
       a[d] = x;
       ix->deg[u] = d + 1;
+    } else if (g->keep_links) {
+      swap_farthest(g, a, d, u, x, ws);
     } else {
       memcpy(ids, a, (size_t)d * sizeof(int32_t));
       ids[d] = x;
@@ -849,7 +870,7 @@ done:
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries) {
   gctx_t g = {.ix = ix, .keys = keys, .locks = NULL, .metric = ix->p.metric,
-              .alpha = ix->p.alpha, .cap = ix->R};
+              .alpha = ix->p.alpha, .cap = ix->R, .keep_links = ix->kind == HI_ROAR};
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
   const int64_t n0 = ix->n;

@@ -192,7 +192,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # per_step's row buffers are sized by topk and the successors: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "background_nice")
+                    "successor_sources", "tail_slots", "background_nice")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -310,7 +310,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
       return self._warm_scatter(state)
-    # topk or the successors changed at load. A context is saved right after its prefill, so
+    # topk, the successors or the tail slots changed at load. A context is saved right after its prefill, so
     # the first step's rows are selected again as finish_prefill did, into new buffers.
     n, B, Hq, _, D = state.buf_k.shape
     rows = (n, B, Hq, self.slots_per_head)
