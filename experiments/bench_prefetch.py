@@ -69,11 +69,10 @@ def build_runtime(rng) -> PrefetchRuntime:
     keys = rng.standard_normal((Hkv, n, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
     context.append(0, layer, 0, keys, keys)
     context.build_layer(layer)
-    context.store.reserve(0, layer, n + FLAGS.steps + 8)
+    context.store.reserve(0, layer, n + 2 + FLAGS.steps + FLAGS.gil_probe_steps + 8)  # no store growth in the timed steps
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
-                            background_threads=available_cores(),
                             **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
@@ -84,7 +83,7 @@ def compare_gathers(runtime: PrefetchRuntime, update, reps: int = 20) -> dict:
   did before gather_rows_many, against one call over every store: median ms of each."""
   dest, ids = update.dest[:update.count].astype(np.int64), update.ids[:update.count].astype(np.int64)
   stores, store_of, heads = slot_stores(dest, 1, FLAGS.q_heads, runtime.slots, runtime.context.group)
-  store, threads = runtime.context.store, runtime.search_threads
+  store, threads = runtime.context.store, runtime.gather_threads
   out_k, out_v = np.empty_like(update.k[:update.count]), np.empty_like(update.v[:update.count])
   bounds = np.searchsorted(store_of, np.arange(len(stores) + 1))  # dest is sorted: each store's rows are a run
 

@@ -89,6 +89,21 @@ def successor_ids(found, stored, count: int, age=None):
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
 
 
+def exchange_threads(cores: int) -> tuple[int, int]:
+  """(indexing, gather) OpenMP threads of the exchange on `cores` cores.
+
+  The indexing of a step's evicted tokens runs beside the exchange's gather and copy, and beside
+  the decode loop's thread launching the device's step. An OpenMP team sharing cores with
+  another busy team stalls whenever one of its threads is descheduled (with both teams on all
+  16 cores of the H200 host, assign_slots took 2.1 ms a call and the gather section 6.3 ms a
+  step, against 0.5 and ~2 with the indexing after the gather: experiments/results/
+  bench_prefetch_smollm2shapes_16k_h200host.md, bench_scale_smollm2shapes_synthetic_128k_insert.md).
+  So the gather gets a few cores of its own, the indexing the rest but two (the decode loop's
+  thread and the exchange's own)."""
+  gather = max(1, min(4, (cores - 2) // 4))
+  return max(1, cores - 2 - gather), gather
+
+
 class PrefetchRuntime(HostRuntime):
   """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
 
@@ -96,10 +111,13 @@ class PrefetchRuntime(HostRuntime):
     pending (the background indexing fell behind) they are indexed synchronously first.
   successors: the tokens following each of the best `successor_sources` retrieved ids that the
     selection adds (see `successor_ids`).
+  background_threads: the indexing's threads (default: `exchange_threads`).
   """
 
-  def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8, **kwargs):
-    super().__init__(context, **kwargs)
+  def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
+               background_threads: int | None = None, **kwargs):
+    indexing, self.gather_threads = exchange_threads(available_cores())
+    super().__init__(context, background_threads=background_threads or indexing, **kwargs)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     if successors < 0:
@@ -109,7 +127,7 @@ class PrefetchRuntime(HostRuntime):
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
-    self.search_threads = available_cores()  # nothing else runs on the host during the search
+    self.search_threads = available_cores()  # the search runs after the previous indexing, before the next
     self.buffers = StepBuffers()
     self._prefetcher = background_worker("kvjax-prefetch", self.background_nice)
     self._next = None  # lag 2: the future of the next step's rows
@@ -255,7 +273,7 @@ class PrefetchRuntime(HostRuntime):
     entering rows gathered from every (layer, seq) store in one threaded C call."""
     L, B, Hq, S = wanted.shape
     dest, ids = host_index.assign_slots(self.slot_ids.reshape(-1, S), wanted.reshape(-1, S),
-                                        threads=self.search_threads)
+                                        threads=self.gather_threads)
     self.slot_ids = self.slot_ids.copy()  # earlier selections (kept for hit rates) stay as they were
     self.slot_ids.reshape(-1)[dest] = ids
     store = self.context.store
@@ -263,7 +281,7 @@ class PrefetchRuntime(HostRuntime):
     update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
     stores, store_of, heads = slot_stores(dest, B, Hq, S, self.context.group)
     store.gather_rows_many(stores, store_of, heads, ids, out_k=update.k[:dest.size], out_v=update.v[:dest.size],
-                           threads=self.search_threads)  # id -1: a zero row
+                           threads=self.gather_threads)  # id -1: a zero row
     update.dest[:dest.size] = dest
     update.ids[:dest.size] = ids
     update.pad(L * B * Hq * S)

@@ -294,13 +294,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
                   background_nice=self.background_nice)
     if self.bridge == "per_step":
-      # The background indexing may use every core: at nice `background_nice` it yields them to
-      # the thread launching the step's kernels.
+      # Its threads: prefetch_runtime.exchange_threads.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
-                                              speculative=self.speculative,
-                                              tau=self.tau, background_threads=host_runtime.available_cores(),
-                                              **common)
+                                              speculative=self.speculative, tau=self.tau, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
