@@ -171,7 +171,7 @@ def main(argv):
     rows.append(dict(kind="profile", function=f"{function} ({filename.rsplit('/', 1)[-1]}:{line})",
                      calls_per_step=round(calls / FLAGS.steps, 1), own_ms_per_step=round(1e3 * own / FLAGS.steps, 3),
                      cumulative_ms_per_step=round(1e3 * cumulative / FLAGS.steps, 3)))
-  for where, waited in probe.by_line.most_common(FLAGS.profile_top):
+  for where, waited in probe.by_line.most_common(FLAGS.profile_top if FLAGS.gil_probe_steps else 0):
     rows.append(dict(kind="gil_hold", where=where, probe_wait_ms_per_step=round(1e3 * waited / FLAGS.gil_probe_steps, 3)))
   for r in rows:
     print(r)
