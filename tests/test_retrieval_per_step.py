@@ -320,6 +320,8 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(bridge="per_step", successors=-1), "successors=-1"),
     (dict(successors=2), "successors=2 applies"),
     (dict(bridge="per_step", successor_sources=0), "successor_sources=0"),
+    (dict(bridge="per_step", index_threads=0), "index_threads=0"),
+    (dict(index_threads=4), "index_threads=4"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):

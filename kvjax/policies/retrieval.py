@@ -167,6 +167,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     computes (indexing, speculative search, per_step lag 2's exchange) and of their OpenMP
     teams, so they yield the cores to the thread launching the step's kernels
     (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
+  index_threads: per_step only: OpenMP threads of the background indexing, which runs beside the
+    exchange's gather (default None: kvjax.prefetch_runtime.exchange_threads, all cores but the
+    gather's and two).
   """
 
   index: str = "roar"
@@ -188,11 +191,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
+  index_threads: int | None = None
   name: str = "retrieval"
   # per_step's row buffers are sized by topk and the successors: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "tail_slots", "background_nice")
+                    "successor_sources", "tail_slots", "background_nice", "index_threads")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -231,6 +235,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.roar_heads == "kv" and self.index != "roar":
       raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
     host_runtime.check_background_nice(self.background_nice)
+    if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
+      raise ValueError(f"index_threads={self.index_threads} must be >= 1 and applies to bridge='per_step'")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
@@ -297,7 +303,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       # Its threads: prefetch_runtime.exchange_threads.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
-                                              speculative=self.speculative, tau=self.tau, **common)
+                                              speculative=self.speculative, tau=self.tau,
+                                              background_threads=self.index_threads, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
