@@ -196,7 +196,8 @@ def adjacency(ix):
 def test_roar_insert_into_a_full_list_swaps_out_its_farthest_link_only():
     """A decode-time roar insert links the new key from its neighbours; a neighbour whose list is
     full keeps it full and keeps every other link (its co-occurrence links among them), giving up
-    only its link farthest from it (L2), and only to a key closer than that link."""
+    only its link farthest from it (L2), and only to a key closer than that link, except the new
+    key's nearest neighbour (its first out-link), which always links it."""
     keys, train, _ = roar_data(n=1000)
     new = clustered(40, 16, seed=9)
     ix = hi.build_index(keys, kind="roar", train_queries=train, threads=1)
@@ -221,5 +222,21 @@ def test_roar_insert_into_a_full_list_swaps_out_its_farthest_link_only():
             far = np.linalg.norm(every[before[u]] - every[u], axis=1)
             gone = before[u].index(out.pop())
             assert far[gone] == far.max()
-            assert np.linalg.norm(every[x] - every[u]) < far[gone]
+            assert np.linalg.norm(every[x] - every[u]) < far[gone] or u == after[x][0]
+        linked_from = [u for u in after if x in after[u]]
+        assert after[x][0] in linked_from  # every new key has an in-link, from its nearest neighbour
     assert swaps > 0  # the build filled lists: the swap path ran
+
+
+def test_roar_insert_links_a_key_of_large_norm():
+    """A key of large norm is far (L2) from every neighbour, so it is closer than none of their
+    links; it tops the inner-product search along its own direction, and the search finds it (with
+    the swap unforced, a key of norm x3 in tests/test_host_index_roar_heads.py had no in-link)."""
+    keys, train, _ = roar_data(n=1000)
+    ix = hi.build_index(keys, kind="roar", train_queries=train, threads=1)
+    big = keys[:8] * 4.0
+    ix.insert(big, queries=big, threads=1)
+    truth = np.argmax(big @ np.concatenate([keys, big]).T, axis=1)
+    assert (truth >= 1000).all()  # each query's best key is a new one
+    ids, _, _ = ix.search(big, 1, ef=100)  # kvjax's default search list (top-100)
+    np.testing.assert_array_equal(ids[:, 0], truth)

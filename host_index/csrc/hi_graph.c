@@ -215,11 +215,15 @@ static int select_nbrs(gctx_t *g, const hi_pair *cands, int64_t nc, int32_t *out
   return ns;
 }
 
-/* u's full list takes x in place of its link farthest from u, when x is closer than that
- * link. Why not re-select (below) for roar's decode-time inserts: the re-selection keeps a
- * diverse few of u's links by distance and so drops its co-occurrence links, which carry
- * roar's recall, and it costs ~R^2 / 2 distances where this costs R + 1. */
-static void swap_farthest(gctx_t *g, int32_t *a, int d, int32_t u, int32_t x, hi_ws_t *ws) {
+/* u's full list takes x in place of its link farthest from u, when x is closer than that link
+ * or `force` is set. Why not re-select (add_link's default) for
+ * roar's decode-time inserts: the re-selection keeps a diverse few of u's links by distance
+ * and so drops its co-occurrence links, which carry roar's recall, and it costs ~R^2 / 2
+ * distances where this costs R + 1. `force` (the new key's nearest neighbour) gives every
+ * new key an in-link: a key of large norm, which tops inner-product searches, is far from
+ * its neighbours and would otherwise be closer than none of their links. */
+static void swap_farthest(gctx_t *g, int32_t *a, int d, int32_t u, int32_t x, int force,
+                          hi_ws_t *ws) {
   int32_t ids[HI_MAX_R + 1];
   float dd[HI_MAX_R + 1];
   memcpy(ids, a, (size_t)d * sizeof(int32_t));
@@ -229,13 +233,13 @@ static void swap_farthest(gctx_t *g, int32_t *a, int d, int32_t u, int32_t x, hi
   int far = 0;
   for (int j = 1; j < d; j++)
     if (dd[j] > dd[far]) far = j;
-  if (dd[d] < dd[far]) a[far] = x;
+  if (force || dd[d] < dd[far]) a[far] = x;
 }
 
 /* Add the edge u -> x; when u is full, re-select u's neighbours among its
  * current ones plus x (hnswlib's "shrink connections"), or with keep_links
- * swap_farthest. */
-static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
+ * swap_farthest (forced: see there). */
+static void add_link(gctx_t *g, int32_t u, int32_t x, int force, hi_ws_t *ws) {
   hi_index_t *ix = g->ix;
   hi_pair pairs[HI_MAX_R + 1];
   int32_t ids[HI_MAX_R + 1];
@@ -249,7 +253,7 @@ static void add_link(gctx_t *g, int32_t u, int32_t x, hi_ws_t *ws) {
       a[d] = x;
       ix->deg[u] = d + 1;
     } else if (g->keep_links) {
-      swap_farthest(g, a, d, u, x, ws);
+      swap_farthest(g, a, d, u, x, force, ws);
     } else {
       memcpy(ids, a, (size_t)d * sizeof(int32_t));
       ids[d] = x;
@@ -307,7 +311,7 @@ static int link_node(gctx_t *g, int32_t x, const float *xv, const float *qv, int
   memcpy(ix->adj + (size_t)x * ix->R, sel, (size_t)ns * sizeof(int32_t));
   ix->deg[x] = ns;
   if (g->locks) spin_unlock(&g->locks[x]);
-  for (int j = 0; j < ns; j++) add_link(g, sel[j], x, ws);
+  for (int j = 0; j < ns; j++) add_link(g, sel[j], x, j == 0, ws);  /* sel[0]: x's nearest */
   atomic_fetch_add_explicit(&g->ndist, nd, memory_order_relaxed);
   return HI_OK;
 }
@@ -760,7 +764,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
       if (hi_ws_ensure(&ws, 0, 1, 1, ix->dim) == HI_OK) {
 #pragma omp for schedule(dynamic, 64)
         for (int64_t p = 0; p < n; p++)
-          for (int j = 0; j < sdeg[p]; j++) add_link(&g, snap[(size_t)p * ix->R + j], (int32_t)p, &ws);
+          for (int j = 0; j < sdeg[p]; j++) add_link(&g, snap[(size_t)p * ix->R + j], (int32_t)p, 0, &ws);
       } else {
 #pragma omp atomic write
         err = HI_ENOMEM;
@@ -828,7 +832,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
         if (!present && ix->deg[x] < M) a[ix->deg[x]++] = sel[j];
       }
       spin_unlock(&locks[x]);
-      for (int j = npre; j < ns; j++) add_link(&g, sel[j], (int32_t)x, &ws);
+      for (int j = npre; j < ns; j++) add_link(&g, sel[j], (int32_t)x, 0, &ws);
     }
     if (lerr) {
 #pragma omp atomic write
