@@ -94,12 +94,12 @@ def exchange_threads(cores: int) -> tuple[int, int]:
 
   The indexing of a step's evicted tokens runs beside the exchange's gather and copy, and beside
   the decode loop's thread launching the device's step. An OpenMP team sharing cores with
-  another busy team stalls whenever one of its threads is descheduled (with both teams on all
-  16 cores of the H200 host, assign_slots took 2.1 ms a call and the gather section 6.3 ms a
-  step, against 0.5 and ~2 with the indexing after the gather: experiments/results/
-  bench_prefetch_smollm2shapes_16k_h200host.md, bench_scale_smollm2shapes_synthetic_128k_insert.md).
-  So the gather gets a few cores of its own, the indexing the rest but two (the decode loop's
-  thread and the exchange's own)."""
+  another busy team stalls whenever one of its threads is descheduled: with both teams on all
+  16 cores of the H200 host the gather section took 6.3 ms a step at 128K against 3.1 with the
+  indexing after it (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md),
+  and a line profile put assign_slots at 2.1 ms a call (~0.5 alone). So the gather gets a few
+  cores of its own, the indexing the rest but two (the decode loop's thread and the exchange's
+  own). Not yet shown to be faster side by side (`index_threads`, bench_scale's `_idx16`)."""
   gather = max(1, min(4, (cores - 2) // 4))
   return max(1, cores - 2 - gather), gather
 

@@ -193,7 +193,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   name: str = "retrieval"
-  # per_step's row buffers are sized by topk and the successors: a load with other values
+  # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "tail_slots", "background_nice", "index_threads")
