@@ -93,15 +93,15 @@ def exchange_threads(cores: int) -> tuple[int, int]:
   """(indexing, gather) OpenMP threads of the exchange on `cores` cores.
 
   The indexing of a step's evicted tokens runs beside the exchange's gather and copy, and beside
-  the decode loop's thread launching the device's step. An OpenMP team sharing cores with
-  another busy team stalls whenever one of its threads is descheduled: with both teams on all
-  16 cores of the H200 host the gather section took 6.3 ms a step at 128K against 3.1 with the
-  indexing after it (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md),
-  and a line profile put assign_slots at 2.1 ms a call (~0.5 alone). So the gather gets a few
-  cores of its own, the indexing the rest but two (the decode loop's thread and the exchange's
-  own). Not yet shown to be faster side by side (`index_threads`, bench_scale's `_idx16`)."""
-  gather = max(1, min(4, (cores - 2) // 4))
-  return max(1, cores - 2 - gather), gather
+  the decode loop's thread launching the device's step. With both on all 16 cores of the H200
+  host the gather section took 6.3 ms a step at 128K against 3.1 with the indexing after it
+  (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md): an OpenMP team
+  sharing cores with another busy team stalls whenever one of its threads is descheduled. So
+  the gather uses a few threads. The indexing keeps every core (at `background_nice`): side by
+  side at 32K, giving it only the other 11 made the gather faster (2.9 against 4.4 ms) but the
+  step slower (10.4 against 8.3 ms; one run each, the search differing most:
+  bench_scale_smollm2shapes_synthetic_32k_index_threads.md)."""
+  return cores, max(1, min(4, (cores - 2) // 4))
 
 
 class PrefetchRuntime(HostRuntime):

@@ -168,8 +168,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     teams, so they yield the cores to the thread launching the step's kernels
     (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
   index_threads: per_step only: OpenMP threads of the background indexing, which runs beside the
-    exchange's gather (default None: kvjax.prefetch_runtime.exchange_threads, all cores but the
-    gather's and two).
+    exchange's gather (default None: kvjax.prefetch_runtime.exchange_threads, every core).
   """
 
   index: str = "roar"
