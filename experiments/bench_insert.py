@@ -49,11 +49,13 @@ def new_context(keys, q, layer: int, build_end: int, ef_insert) -> hi.HostContex
   """A one-layer HostContext holding `keys` [Hkv, n, D] (float16, as the store keeps a capture), built
   as kvjax's retrieval prefill builds it over the first `build_end` of them: roar per KV head, trained
   on every query head's prompt queries before position sinks + build_end + window with their exact
-  top-n_q, each key's nearest keys as connect candidates."""
+  top-n_q (all of them; the prefill strides them to at most 4,096), each key's nearest keys as
+  connect candidates."""
   Hkv, n, D = keys.shape
   Hq = q.shape[1]
   context = hi.HostContext(1, 1, Hq, Hkv, D, dtype="float16", kind=FLAGS.index_kind,
-                           index_params=dict(ef_insert=int(ef_insert)), roar_heads="kv")
+                           index_params=dict(ef_insert=int(ef_insert)),
+                           roar_heads="kv" if FLAGS.index_kind == "roar" else "query")
   context.append(0, 0, 0, keys[:, :build_end], keys[:, :build_end])
   context.reserve(0, 0, n)
   train = {}

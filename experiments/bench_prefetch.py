@@ -171,8 +171,10 @@ def main(argv):
     rows.append(dict(kind="profile", function=f"{function} ({filename.rsplit('/', 1)[-1]}:{line})",
                      calls_per_step=round(calls / FLAGS.steps, 1), own_ms_per_step=round(1e3 * own / FLAGS.steps, 3),
                      cumulative_ms_per_step=round(1e3 * cumulative / FLAGS.steps, 3)))
-  for where, waited in probe.by_line.most_common(FLAGS.profile_top if FLAGS.gil_probe_steps else 0):
-    rows.append(dict(kind="gil_hold", where=where, probe_wait_ms_per_step=round(1e3 * waited / FLAGS.gil_probe_steps, 3)))
+  if FLAGS.gil_probe_steps:
+    for where, waited in probe.by_line.most_common(FLAGS.profile_top):
+      rows.append(dict(kind="gil_hold", where=where,
+                       probe_wait_ms_per_step=round(1e3 * waited / FLAGS.gil_probe_steps, 3)))
   for r in rows:
     print(r)
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=NOTES)

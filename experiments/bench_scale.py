@@ -60,7 +60,7 @@ POLICIES = {
     # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_t32": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                       "speculative": True, "tail_slots": 32}),
-    # the background indexing on 16 / 6 threads (exchange_threads' default: every core; 11 of 16 until
+    # the background indexing on 16 / 6 threads (default: every core; 11 of 16 until
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
     "retrieval_step_lag2_kv_spec_idx16": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                         "speculative": True, "index_threads": 16}),

@@ -89,19 +89,18 @@ def successor_ids(found, stored, count: int, age=None):
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
 
 
-def exchange_threads(cores: int) -> tuple[int, int]:
-  """(indexing, gather) OpenMP threads of the exchange on `cores` cores.
+def gather_threads(cores: int) -> int:
+  """OpenMP threads of the exchange's slot assignment and gather on `cores` cores: a few.
 
-  The indexing of a step's evicted tokens runs beside the exchange's gather and copy, and beside
-  the decode loop's thread launching the device's step. With both on all 16 cores of the H200
-  host the gather section took 6.3 ms a step at 128K against 3.1 with the indexing after it
-  (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md): an OpenMP team
-  sharing cores with another busy team stalls whenever one of its threads is descheduled. So
-  the gather uses a few threads. The indexing keeps every core (at `background_nice`): side by
-  side at 32K, giving it only the other 11 made the gather faster (2.9 against 4.4 ms) but the
-  step slower (10.4 against 8.3 ms; one run each, the search differing most:
+  The background indexing (every core by default, at `background_nice`) runs beside them. With
+  both on all 16 cores of the H200 host the gather section took 6.3 ms a step at 128K against
+  3.1 with the indexing after it (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md):
+  an OpenMP team sharing cores with another busy team stalls whenever one of its threads is
+  descheduled. The indexing keeps every core: side by side at 32K, giving it only the 11 cores
+  the gather and two other threads left made the gather faster (2.9 against 4.4 ms) but the step
+  slower (10.4 against 8.3 ms; one run each, the search differing most:
   bench_scale_smollm2shapes_synthetic_32k_index_threads.md)."""
-  return cores, max(1, min(4, (cores - 2) // 4))
+  return max(1, min(4, (cores - 2) // 4))
 
 
 class PrefetchRuntime(HostRuntime):
@@ -111,13 +110,15 @@ class PrefetchRuntime(HostRuntime):
     pending (the background indexing fell behind) they are indexed synchronously first.
   successors: the tokens following each of the best `successor_sources` retrieved ids that the
     selection adds (see `successor_ids`).
-  background_threads: the indexing's threads (default: `exchange_threads`).
+  background_threads: the indexing's threads (default: every core; see `gather_threads`).
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
                background_threads: int | None = None, **kwargs):
-    indexing, self.gather_threads = exchange_threads(available_cores())
-    super().__init__(context, background_threads=background_threads or indexing, **kwargs)
+    if background_threads is None:
+      background_threads = available_cores()
+    super().__init__(context, background_threads=background_threads, **kwargs)
+    self.gather_threads = gather_threads(available_cores())
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     if successors < 0:

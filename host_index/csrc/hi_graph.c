@@ -216,12 +216,12 @@ static int select_nbrs(gctx_t *g, const hi_pair *cands, int64_t nc, int32_t *out
 }
 
 /* u's full list takes x in place of its link farthest from u, when x is closer than that link
- * or `force` is set. Why not re-select (add_link's default) for
- * roar's decode-time inserts: the re-selection keeps a diverse few of u's links by distance
- * and so drops its co-occurrence links, which carry roar's recall, and it costs ~R^2 / 2
- * distances where this costs R + 1. `force` (the new key's nearest neighbour) gives every
- * new key an in-link: a key of large norm, which tops inner-product searches, is far from
- * its neighbours and would otherwise be closer than none of their links. */
+ * or `force` is set. Why not re-select (add_link's default) for roar's decode-time inserts:
+ * the re-selection keeps a diverse few of u's links by distance and so drops its co-occurrence
+ * links, which carry roar's recall, and it costs ~R^2 / 2 distances where this costs R + 1.
+ * `force` (the new key's nearest neighbour) gives every new key an in-link: a key of large
+ * norm, which tops inner-product searches, is far from its neighbours and would otherwise be
+ * closer than none of their links. */
 static void swap_farthest(gctx_t *g, int32_t *a, int d, int32_t u, int32_t x, int force,
                           hi_ws_t *ws) {
   int32_t ids[HI_MAX_R + 1];

@@ -168,7 +168,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     teams, so they yield the cores to the thread launching the step's kernels
     (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
   index_threads: per_step only: OpenMP threads of the background indexing, which runs beside the
-    exchange's gather (default None: kvjax.prefetch_runtime.exchange_threads, every core).
+    exchange's gather (default None: every core; kvjax.prefetch_runtime.gather_threads says why).
   """
 
   index: str = "roar"
@@ -299,7 +299,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
                   background_nice=self.background_nice)
     if self.bridge == "per_step":
-      # Its threads: prefetch_runtime.exchange_threads.
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative, tau=self.tau,
