@@ -42,7 +42,9 @@ def test_bench_prefetch_small(tmp_path):
 
 
 def test_gil_probe_sees_a_thread_that_holds_the_gil():
-  """The probe's long waits add up to most of a pure-Python spin, and to little of a sleep."""
+  """The probe's long waits add up to most of a pure-Python spin; beside a sleep it retakes the
+  GIL far more often (a count, not a time: on a loaded CI box the probe also waits for a core,
+  which lengthens its waits beside a sleep as well)."""
   import threading
   import time
 
@@ -59,5 +61,5 @@ def test_gil_probe_sees_a_thread_that_holds_the_gil():
   with GilProbe(threading.get_ident(), threshold=0.001) as idle:
     time.sleep(0.3)
   assert busy.summary(1)["gil_long_wait_ms_per_step"] > 150
-  assert idle.summary(1)["gil_long_wait_ms_per_step"] < 60
+  assert len(idle.waits) > 10 * len(busy.waits)
   assert busy.by_line and all(isinstance(where, str) for where in busy.by_line)
