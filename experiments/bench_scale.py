@@ -66,6 +66,12 @@ POLICIES = {
                                                         "speculative": True, "index_threads": 16}),
     "retrieval_step_lag2_kv_spec_idx6": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                        "speculative": True, "index_threads": 6}),
+    # no cores reserved for the thread launching the step (default: one in eight, 2 of the H200
+    # host's 16), as before 2026-12-03 (the exchange then also runs at background_nice), and 4
+    "retrieval_step_lag2_kv_spec_r0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                     "speculative": True, "reserved_cores": 0}),
+    "retrieval_step_lag2_kv_spec_r4": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                     "speculative": True, "reserved_cores": 4}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

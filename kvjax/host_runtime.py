@@ -103,30 +103,53 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def background_worker(name: str, nice: int) -> concurrent.futures.ThreadPoolExecutor:
+def background_worker(name: str, nice: int, cores: frozenset[int] | None = None) -> concurrent.futures.ThreadPoolExecutor:
   """A one-thread executor for host work that runs while the device computes a step.
 
-  Its thread runs at Linux nice value `nice` (0: unchanged), and so does every OpenMP thread it
-  starts (a thread inherits its creator's nice value), so that they yield the cores to the
-  thread launching the step's kernels. Measured on the H200 host: 16 busy threads stretched an
-  isolated 8B-shaped per_step step (879 kernels) from 7.4 to 11.9 ms, and nice 10 won back
-  little of that (11.3); inside decode, nice 10 took the jitted step from 21.4 to 17.5 ms (8B,
-  8K) and freekv per_step lag 2 from 7.6 to 6.6 ms a token (128K). Busy cores are the smaller
-  cost: a thread holding the GIL is the larger (experiments/results/bench_step_contention_h200.md).
+  Its thread runs at Linux nice value `nice` (0: unchanged) and, given `cores`, only on those
+  cores (`worker_cores`); so does every OpenMP thread it starts (a thread inherits its creator's
+  nice value and CPU affinity). Both keep the thread launching the step's kernels running.
+  Measured on the H200 host: 16 busy threads stretched an isolated 8B-shaped per_step step (879
+  kernels) from 7.4 to 11.9 ms, and nice 10 won back little of that (11.3); inside decode, nice
+  10 took the jitted step from 21.4 to 17.5 ms (8B, 8K) and freekv per_step lag 2 from 7.6 to 6.6
+  ms a token (128K) (experiments/results/bench_step_contention_h200.md).
   """
   check_background_nice(nice)
   return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                                               initializer=_lower_priority, initargs=(nice,))
+                                               initializer=_lower_priority, initargs=(nice, cores))
 
 
-def _lower_priority(nice: int) -> None:
-  """Raises the calling thread's nice value to `nice` (never lowers it: that needs privileges)."""
-  if nice <= 0 or not sys.platform.startswith("linux"):
-    return  # elsewhere PRIO_PROCESS takes a process id, not a thread's
+def default_reserved_cores(cores: int) -> int:
+  """Cores kept free of worker threads for the thread launching the device's kernels (and JAX's
+  own threads): one in eight, none below eight cores (too few to give any away)."""
+  return cores // 8
+
+
+def worker_cores(reserved: int) -> frozenset[int] | None:
+  """The cores this process may use minus the `reserved` lowest-numbered; None (no pinning)
+  when nothing is reserved, the affinity cannot be read, or too few cores would be left."""
+  if reserved < 0:
+    raise ValueError(f"reserved_cores={reserved} must be >= 0")
+  if reserved == 0 or not hasattr(os, "sched_getaffinity"):
+    return None
+  allowed = sorted(os.sched_getaffinity(0))
+  if len(allowed) - reserved < 1:
+    raise ValueError(f"reserved_cores={reserved} leaves no core of the {len(allowed)} this process may use")
+  return frozenset(allowed[reserved:])
+
+
+def _lower_priority(nice: int, cores: frozenset[int] | None = None) -> None:
+  """Raises the calling thread's nice value to `nice` (never lowers it: that needs privileges)
+  and, given `cores`, restricts it to them. Linux only: elsewhere both calls act on the process."""
+  if not sys.platform.startswith("linux"):
+    return
   tid = threading.get_native_id()
-  try:
-    os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
-  except OSError:  # e.g. a seccomp sandbox: the thread keeps its priority, nothing else changes
+  try:  # a seccomp sandbox may refuse either: the thread then keeps its priority or cores
+    if nice > 0:
+      os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    if cores:
+      os.sched_setaffinity(tid, cores)
+  except OSError:
     pass
 
 
@@ -150,11 +173,12 @@ class HostRuntime:
   cores. The two thread teams run at the same time and must not share cores: an OpenMP team
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
+  reserved_cores: cores the background threads stay off (`worker_cores`; 0: none).
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0):
+               background_nice: int = 0, reserved_cores: int = 0):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -164,6 +188,7 @@ class HostRuntime:
       raise ValueError(f"background_threads={background_threads} must be >= 1")
     self.critical_threads = max(1, available_cores() - self.background_threads)
     self.background_nice = background_nice
+    self.worker_cores = worker_cores(reserved_cores)
     self.stats = HostStats()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
@@ -172,7 +197,7 @@ class HostRuntime:
     self._pending: dict[int, concurrent.futures.Future] = {}  # per layer: its background job
     self._unindexed_queries: dict[tuple[int, int], list] = {}  # (seq, layer): stored tokens' queries
     self._used_ids: dict[int, np.ndarray] = {}
-    self._executor = background_worker("kvjax-search", self.background_nice)
+    self._executor = background_worker("kvjax-search", self.background_nice, self.worker_cores)
     self.id = register(self)
 
   def close(self) -> None:

@@ -11,7 +11,8 @@ exports every layer's query and the token it evicted; between steps the host
   1. waits for the background indexing of the previous step's evicted tokens (it ran beside
      the previous exchange's gather and copy, and the device's step),
   2. stores the tokens evicted by the step that just ended (a copy; indexed in the background),
-  3. searches every layer's index with that step's queries, top-k per query head, all cores,
+  3. searches every layer's index with that step's queries, top-k per query head, on every core
+     but those reserved for the thread launching the device's kernels,
   4. starts the indexing of the new tokens on a background thread (the indexes are not read
      again before step 1 of the next exchange),
   5. compares each head's new selection (top-k plus every stored-but-unindexed token, so
@@ -47,7 +48,8 @@ import time
 import numpy as np
 
 import host_index
-from kvjax.host_runtime import HostRuntime, available_cores, background_worker, group_mean_cosine, reuse_hits
+from kvjax.host_runtime import (HostRuntime, available_cores, background_worker, default_reserved_cores,
+                                group_mean_cosine, reuse_hits, worker_cores)
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -110,15 +112,23 @@ class PrefetchRuntime(HostRuntime):
     pending (the background indexing fell behind) they are indexed synchronously first.
   successors: the tokens following each of the best `successor_sources` retrieved ids that the
     selection adds (see `successor_ids`).
-  background_threads: the indexing's threads (default: every core; see `gather_threads`).
+  background_threads: the indexing's threads (default: every worker core; see `gather_threads`).
+  reserved_cores: cores that lag 2's exchange and the indexing (threads and OpenMP teams) stay
+    off, for the thread launching the device's kernels (default `default_reserved_cores`). With
+    cores reserved the exchange runs at the caller's priority and only the indexing, which has
+    until the next exchange, at `background_nice`; with none both run at `background_nice`.
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
-               background_threads: int | None = None, **kwargs):
+               background_threads: int | None = None, reserved_cores: int | None = None, **kwargs):
+    if reserved_cores is None:
+      reserved_cores = default_reserved_cores(available_cores())
+    cores = worker_cores(reserved_cores)
+    workers = len(cores) if cores else available_cores()
     if background_threads is None:
-      background_threads = available_cores()
-    super().__init__(context, background_threads=background_threads, **kwargs)
-    self.gather_threads = gather_threads(available_cores())
+      background_threads = workers
+    super().__init__(context, background_threads=background_threads, reserved_cores=reserved_cores, **kwargs)
+    self.gather_threads = gather_threads(workers)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
     if successors < 0:
@@ -128,9 +138,9 @@ class PrefetchRuntime(HostRuntime):
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
-    self.search_threads = available_cores()  # the search runs after the previous indexing, before the next
+    self.search_threads = workers  # the search runs after the previous indexing, before the next
     self.buffers = StepBuffers()
-    self._prefetcher = background_worker("kvjax-prefetch", self.background_nice)
+    self._prefetcher = background_worker("kvjax-prefetch", 0 if cores else self.background_nice, cores)
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
     # updates returned so far leave it; None until the first step (or set from a loaded state).

@@ -1,14 +1,16 @@
 """`retrieval`: exact when the budget covers the context, one host callback per layer and
 step, evicted tokens stay retrievable, host errors surface after the step."""
 
+import os
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import host_index
 import kvjax
-from kvjax import host_runtime
+from kvjax import host_runtime, prefetch_runtime
 from kvjax.policies import RetrievalAttention, make_policy
 from test_generate import random_prompt, tiny_model
 
@@ -208,6 +210,48 @@ def test_background_worker_lowers_its_threads_priority():
     for bad in (-1, 20, 1.5, True, "10"):
       with pytest.raises(ValueError, match="background_nice"):
         make_policy(policy, background_nice=bad)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="per-thread CPU affinity on two or more cores")
+def test_worker_threads_stay_off_the_reserved_cores():
+  """The workers of a per_step runtime (lag 2's exchange, the indexing) and every thread they start
+  run only on the cores left after the reserved ones; the caller keeps all of its cores."""
+  import threading
+
+  def cores():
+    return os.sched_getaffinity(threading.get_native_id())
+
+  def cores_of_a_thread_it_starts():
+    seen = []
+    child = threading.Thread(target=lambda: seen.append(cores()))
+    child.start()
+    child.join()
+    return seen[0]
+
+  allowed = sorted(os.sched_getaffinity(0))
+  assert host_runtime.worker_cores(0) is None
+  assert host_runtime.worker_cores(1) == frozenset(allowed[1:])
+  with pytest.raises(ValueError, match=f"reserved_cores={len(allowed)}"):
+    host_runtime.worker_cores(len(allowed))
+  assert host_runtime.default_reserved_cores(16) == 2 and host_runtime.default_reserved_cores(4) == 0
+  context = host_index.HostContext(1, 1, 2, 1, 4, kind="flat")
+  runtime = prefetch_runtime.PrefetchRuntime(context, tail_slots=2, sinks=0, window=1, topk=2, ef=None,
+                                             scale=1.0, reserved_cores=1, background_nice=5)
+  try:
+    assert runtime.search_threads == len(allowed) - 1 == runtime.background_threads
+    for worker in (runtime._prefetcher, runtime._executor):
+      assert worker.submit(cores).result() == set(allowed[1:])
+      assert worker.submit(cores_of_a_thread_it_starts).result() == set(allowed[1:])
+    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    # cores reserved: the exchange keeps the caller's priority, the indexing lowers its own
+    assert runtime._prefetcher.submit(nice).result() == nice() < runtime._executor.submit(nice).result()
+  finally:
+    runtime.close()
+  assert cores() == set(allowed)
+  for bad in (dict(bridge="per_step", reserved_cores=-1), dict(reserved_cores=2)):
+    with pytest.raises(ValueError, match="reserved_cores"):
+      make_policy("retrieval", **bad)
 
 
 def test_cpu_training_topk_equals_the_device_op():

@@ -168,7 +168,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     teams, so they yield the cores to the thread launching the step's kernels
     (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
   index_threads: per_step only: OpenMP threads of the background indexing, which runs beside the
-    exchange's gather (default None: every core; kvjax.prefetch_runtime.gather_threads says why).
+    exchange's gather (default None: every worker core; kvjax.prefetch_runtime.gather_threads says why).
+  reserved_cores: per_step only: cores the host's worker threads stay off, for the thread that
+    launches the step's kernels (default None: one in eight, none below eight cores;
+    kvjax.prefetch_runtime.PrefetchRuntime).
   """
 
   index: str = "roar"
@@ -191,11 +194,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   roar_heads: str = "query"
   background_nice: int = 10
   index_threads: int | None = None
+  reserved_cores: int | None = None
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "tail_slots", "background_nice", "index_threads")
+                    "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -236,6 +240,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     host_runtime.check_background_nice(self.background_nice)
     if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
       raise ValueError(f"index_threads={self.index_threads} must be >= 1 and applies to bridge='per_step'")
+    if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
+      raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
@@ -302,7 +308,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative, tau=self.tau,
-                                              background_threads=self.index_threads, **common)
+                                              background_threads=self.index_threads,
+                                              reserved_cores=self.reserved_cores, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
