@@ -92,9 +92,9 @@ def successor_ids(found, stored, count: int, age=None):
 
 
 def gather_threads(cores: int) -> int:
-  """OpenMP threads of the exchange's slot assignment and gather on `cores` cores: a few.
+  """OpenMP threads of the exchange's slot assignment and gather on `cores` worker cores: a few.
 
-  The background indexing (every core by default, at `background_nice`) runs beside them. With
+  The background indexing (every worker core by default, at `background_nice`) runs beside them. With
   both on all 16 cores of the H200 host the gather section took 6.3 ms a step at 128K against
   3.1 with the indexing after it (experiments/results/bench_scale_smollm2shapes_synthetic_128k_insert.md):
   an OpenMP team sharing cores with another busy team stalls whenever one of its threads is
@@ -337,7 +337,7 @@ class PrefetchRuntime(HostRuntime):
     if late:
       for pair in late:
         q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]
-        self.context.index_stored([pair[0]], [pair[1]], queries=q)
+        self.context.index_stored([pair[0]], [pair[1]], queries=q, threads=self.background_threads)
 
   def _submit_background(self, layer: int, search_queries) -> None:
     """Queues the indexing of every layer's stored tokens as one job (key -1)."""
