@@ -127,7 +127,7 @@ def default_reserved_cores(cores: int) -> int:
 
 def worker_cores(reserved: int) -> frozenset[int] | None:
   """The cores this process may use minus the `reserved` lowest-numbered; None (no pinning)
-  when nothing is reserved, the affinity cannot be read, or too few cores would be left."""
+  when nothing is reserved or the platform has no CPU affinity. Raises when none would be left."""
   if reserved < 0:
     raise ValueError(f"reserved_cores={reserved} must be >= 0")
   if reserved == 0 or not hasattr(os, "sched_getaffinity"):
@@ -140,7 +140,8 @@ def worker_cores(reserved: int) -> frozenset[int] | None:
 
 def _lower_priority(nice: int, cores: frozenset[int] | None = None) -> None:
   """Raises the calling thread's nice value to `nice` (never lowers it: that needs privileges)
-  and, given `cores`, restricts it to them. Linux only: elsewhere both calls act on the process."""
+  and, given `cores`, restricts it to them. Linux only (elsewhere both calls would act on the
+  whole process)."""
   if not sys.platform.startswith("linux"):
     return
   tid = threading.get_native_id()
