@@ -77,6 +77,7 @@ POLICIES = {
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
     "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
     "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
+    "freekv_step_lag2_r0": ("freekv", {"bridge": "per_step", "lag": 2, "reserved_cores": 0}),  # as before 2026-12-03
     "freekv_step_lag2_nice0": ("freekv", {"bridge": "per_step", "lag": 2, "background_nice": 0}),
     "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
     "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),

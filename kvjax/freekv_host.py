@@ -97,7 +97,7 @@ class FreeKVRuntime:
   """One run's host page store, recall settings, counters and error log."""
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, page_size: int, sync_recall: int,
-               sparse_layers: int, step_buffers: int = 1, background_nice: int = 0):
+               sparse_layers: int, step_buffers: int = 1, background_nice: int = 0, reserved_cores: int = 0):
     """Wraps `context` and registers the runtime.
 
     Args:
@@ -110,11 +110,17 @@ class FreeKVRuntime:
       step_buffers: packed host buffers the per_step exchanges rotate through (2 when one
         exchange runs while the previous one's copy may still be in flight: lag 2).
       background_nice: nice value of the lag-2 exchange thread (host_runtime.background_worker).
+      reserved_cores: cores the lag-2 exchange thread and its OpenMP team stay off, for the thread
+        launching the step's kernels (host_runtime.worker_cores; 0: none). With cores reserved
+        the exchange runs at the caller's priority (it has the other cores to itself).
     """
     self.context = context
     self.sinks, self.page_size, self.sync_recall = sinks, page_size, sync_recall
     self.sparse_layers = sparse_layers
     self.background_nice = background_nice  # checked by background_worker
+    self.worker_cores = host_runtime.worker_cores(reserved_cores)
+    # the page fetch's OpenMP team: the worker cores when pinned (the default team is every core)
+    self.fetch_threads = len(self.worker_cores) if self.worker_cores else None
     self.stats = FreeKVStats()
     self.buffers = row_update.StepBuffers(step_buffers)
     self.errors: list[str] = []
@@ -126,7 +132,8 @@ class FreeKVRuntime:
   def worker(self) -> concurrent.futures.ThreadPoolExecutor:
     """The one host thread lag-2 exchanges run on (in order)."""
     if self._worker is None:
-      self._worker = host_runtime.background_worker("freekv-exchange", self.background_nice)
+      nice = 0 if self.worker_cores else self.background_nice
+      self._worker = host_runtime.background_worker("freekv-exchange", nice, self.worker_cores)
     return self._worker
 
   def drain(self) -> None:
@@ -238,7 +245,7 @@ class FreeKVRuntime:
     # One C call over every (layer, seq) store: a call per store cost ~0.1 ms each.
     groups, group_of = np.unique(layer_of * B + seq_of, return_inverse=True)
     self.context.fetch_pages_many([(int(g) % B, int(g) // B) for g in groups], group_of, head_of, pages,
-                                  out_k=out_k, out_v=out_v)
+                                  out_k=out_k, out_v=out_v, threads=self.fetch_threads)
     self._complete_pages(out_k, out_v, layer_of, seq_of, head_of, pages, evicted_k, evicted_v, evicted_pos)
     update.dest[:pages.size] = ((layer_of * B + seq_of) * H + head_of) * pool_slots + slots[want]
     update.ids[:pages.size] = pages

@@ -3,6 +3,7 @@ equals the synchronous path, the per_step bridge recalls each step's selection i
 missing pages are recalled, bad options are refused, host errors surface after the step."""
 
 import functools
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +179,8 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(lag=3, bridge="per_step"), "lag=3"),
     (dict(lag=2), "lag=2 needs bridge='per_step'"),
     (dict(page_summary="keys3"), "page_summary='keys3'"),
+    (dict(reserved_cores=1), "reserved_cores=1"),
+    (dict(bridge="per_step", lag=2, reserved_cores=-1), "reserved_cores=-1"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -541,3 +544,28 @@ def test_key_codes_hold_every_stored_key_and_select_the_next_pages():
     np.testing.assert_array_equal(after.selection[1], top_pages(pooled, policy.n_sel))
   finally:
     context.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="per-thread CPU affinity on two or more cores")
+def test_lag_two_exchange_thread_stays_off_the_reserved_cores():
+  """Lag 2's exchange thread runs on the cores left after the reserved ones, at the caller's
+  priority, and its page fetch sizes its OpenMP team to them; lag 1 reserves none."""
+  import threading
+
+  import host_index
+
+  allowed = sorted(os.sched_getaffinity(0))
+  context = host_index.HostContext(1, 1, 2, 1, 4, kind="flat", page_size=2)
+  runtime = freekv_host.FreeKVRuntime(context, sinks=0, page_size=2, sync_recall=1, sparse_layers=1, step_buffers=2,
+                                      background_nice=5, reserved_cores=1)
+  try:
+    where = runtime.worker().submit(lambda: (os.sched_getaffinity(threading.get_native_id()),
+                                             os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert where.result() == (set(allowed[1:]), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert runtime.fetch_threads == len(allowed) - 1
+  finally:
+    runtime.close()
+  assert make_policy("freekv", bridge="per_step")._reserved_cores() == 0
+  lag2 = make_policy("freekv", bridge="per_step", lag=2)
+  assert lag2._reserved_cores() == host_runtime.default_reserved_cores(len(allowed))

@@ -489,6 +489,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     background_nice: per_step lag 2: Linux nice value (0-19) of the exchange thread and its
       OpenMP team, so they yield the cores to the thread launching the step's kernels
       (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
+    reserved_cores: per_step lag 2: cores the exchange thread and its OpenMP team stay off, for
+      the thread launching the step's kernels (default None: one in eight, none below eight
+      cores; kvjax.host_runtime.default_reserved_cores); with cores reserved the exchange runs
+      at the caller's priority.
   """
 
   budget: int = 2048
@@ -507,8 +511,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   page_summary: str = "minmax"
   host_codec: str = "none"
   background_nice: int = 10
+  reserved_cores: int | None = None
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer", "background_nice")
+  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer", "background_nice",
+                    "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # the prompt's last query (prev_q)
 
@@ -556,6 +562,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"page_summary={self.page_summary!r}; expected one of {page_summary.SUMMARIES}")
     kv_codec.check(self.host_codec)
     host_runtime.check_background_nice(self.background_nice)
+    if self.reserved_cores is not None and (self.lag != 2 or self.reserved_cores < 0):
+      raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to lag=2")
 
   @property
   def n_sel(self) -> int:
@@ -690,7 +698,15 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     sparse = cfg.num_layers - len(self.dense_layer_ids(cfg))
     return freekv_host.FreeKVRuntime(context, sinks=self.sinks, page_size=self.page_size, sync_recall=self.recall,
                                      sparse_layers=sparse, step_buffers=self.lag,
-                                     background_nice=self.background_nice)
+                                     background_nice=self.background_nice, reserved_cores=self._reserved_cores())
+
+  def _reserved_cores(self) -> int:
+    """Lag 2's exchange thread runs beside the step: its default reservation. Lag 1 has none."""
+    if self.lag != 2:
+      return 0
+    if self.reserved_cores is None:
+      return host_runtime.default_reserved_cores(host_runtime.available_cores())
+    return self.reserved_cores
 
   def stats(self, state: FreeKVState) -> dict:
     """Speculation and recall counters of the run so far (see FreeKVStats)."""
