@@ -221,8 +221,8 @@ class PrefetchRuntime(HostRuntime):
     indexed = np.array([[self.context.indexed(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
     self._exchanges += 1
     searched = self._heads_to_search(layers, queries, stored, first)  # [T, B, Hq] bool
-    found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef,
-                                                heads=searched, threads=self.search_threads)  # [T, B, Hq, k]
+    found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef, heads=searched,
+                                                threads=self.search_threads, grouped=self.grouped_search)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[layers])
     self._last_query[layers] = np.where(searched[..., None], queries[layers], self._last_query[layers])

@@ -189,6 +189,97 @@ def test_search_masked_heads(kind):
     assert (ids == -1).all() and (scanned == 0).all()
 
 
+def make_per_kv_head(kind, n=300):
+    """graph or roar with one graph per KV head (roar_heads="kv"), float32 keys."""
+    ctx = hi.HostContext(S, L, HQ, HKV, D, kind=kind, **({"roar_heads": "kv"} if kind == "roar" else {}))
+    rng = np.random.default_rng(5)
+    for s in range(S):
+        for l in range(L):
+            ctx.append(s, l, 0, np.stack([clustered(n, D, seed=40 + 10 * s + 3 * l + h) for h in range(HKV)]),
+                       rng.standard_normal((HKV, n, D)).astype(np.float32))
+    tq = rng.standard_normal((S, HQ, 40, D)).astype(np.float32) if kind == "roar" else None
+    for l in range(L):
+        ctx.build_layer(l, train_queries=tq, threads=1)
+    return ctx
+
+
+def group_queries(noise, seed=11):
+    """[S, HQ, D]: the G query heads of a KV head drawn around one shared direction."""
+    rng = np.random.default_rng(seed)
+    base = np.repeat(clustered(S * HKV, D, seed=seed, shift=0.3).reshape(S, HKV, 1, D), G, axis=2)
+    return (base + noise * rng.standard_normal(base.shape)).reshape(S, HQ, D).astype(np.float32)
+
+
+def exact_top(ctx, layer, q, k):
+    """NumPy top-k store ids [S, HQ, k] by inner product."""
+    return np.stack([[np.argsort(-(ctx.store.keys(s, layer)[h // G] @ q[s, h]), kind="stable")[:k]
+                      for h in range(HQ)] for s in range(S)])
+
+
+def recall_of(ids, truth):
+    return np.mean([np.isin(t, i).mean() for t, i in zip(truth.reshape(-1, truth.shape[-1]),
+                                                         ids.reshape(-1, ids.shape[-1]))])
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_grouped_search_with_a_covering_beam_is_exact(kind):
+    """With a beam as wide as the index every key is scored: the grouped search is exact."""
+    ctx = make_per_kv_head(kind)
+    q = group_queries(0.5)
+    ids, scanned = ctx.search(1, q, k=20, ef=400, grouped=True)
+    np.testing.assert_array_equal(ids, exact_top(ctx, 1, q, 20))
+    # each head reports its share of the group's distinct rows: every key, once per group
+    np.testing.assert_array_equal(scanned.reshape(S, HKV, G).sum(-1), 300)
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+@pytest.mark.parametrize("ef", [40, 8])  # beam wider / narrower than k
+def test_grouped_search_scores_fewer_rows_and_finds_as_much(kind, ef):
+    """Query heads of a group that look alike share most of their walk: fewer distinct rows scored
+    than the heads' separate searches together, and with a beam wider than k a recall (against
+    NumPy) no lower. (A beam narrower than k can stop a head early on the others' finds.)"""
+    ctx = make_per_kv_head(kind)
+    q = group_queries(0.3)
+    truth = exact_top(ctx, 0, q, 10)
+    alone, alone_scanned = ctx.search(0, q, k=10, ef=ef)
+    together, together_scanned = ctx.search(0, q, k=10, ef=ef, grouped=True)
+    assert together_scanned.sum() < 0.8 * alone_scanned.sum()
+    if ef >= 10:
+        assert recall_of(together, truth) >= recall_of(alone, truth)
+    assert ((together >= 0) & (together < 300)).all()
+    for b in range(S):  # best first, no repeats
+        for h in range(HQ):
+            scores = ctx.store.keys(b, 0)[h // G][together[b, h]] @ q[b, h]
+            assert (np.diff(scores) <= 1e-6).all() and len(set(together[b, h])) == 10
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grouped_search_falls_back_where_nothing_is_shared(kind):
+    """flat and ivf indexes, roar per query head, and a group with one searched head: grouped
+    equals the per-head search; search_layers and masks as without it."""
+    ctx = make(kind)
+    q = queries()
+    alone = ctx.search(0, q, k=8, ef=32)
+    together = ctx.search(0, q, k=8, ef=32, grouped=True)
+    if kind != "graph":  # graph: one index per KV head, really grouped (tests above)
+        for got, want in zip(together, alone):
+            np.testing.assert_array_equal(got, want)
+    mask = np.zeros((S, HQ), bool)
+    mask[0, 1] = mask[1, 3] = True  # one head of a group each
+    ids, scanned = ctx.search(0, q, k=8, ef=32, heads=mask, grouped=True)
+    np.testing.assert_array_equal(ids[mask], alone[0][mask])
+    np.testing.assert_array_equal(scanned[mask], alone[1][mask])
+    assert (ids[~mask] == -1).all() and (scanned[~mask] == 0).all()
+    two = np.stack([q, queries(seed=4)])
+    ids, scanned = ctx.search_layers([0, 1], two, k=8, ef=32, grouped=True)
+    for t in range(2):
+        want = ctx.search(t, two[t], k=8, ef=32, grouped=True)
+        np.testing.assert_array_equal(ids[t], want[0])
+        np.testing.assert_array_equal(scanned[t], want[1])
+    with pytest.raises(TypeError, match="grouped"):
+        ctx.search(0, q, k=8, grouped="yes")
+
+
 def test_search_empty_small_and_bad_input():
     ctx = hi.HostContext(S, L, HQ, HKV, D, kind="graph")
     q = queries()

@@ -183,6 +183,113 @@ int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, cons
   return HI_OK;
 }
 
+/* One best-first search per query of a group that shares this graph (the G query heads of a
+ * KV head's index): every node reached is scored against all G queries while its row is in
+ * cache and offered to each query's beam (ef wide: the ef best of every node scored); each
+ * query expands its own candidates in turn and stops as search_core does. The rows loaded are
+ * the union of what the queries need rather than their sum. Results: query g's W = max(ef, k)
+ * nearest of every node scored (its beam, or with k > ef a pool beside it) as a max-heap
+ * res[g * W .. + nres[g]); *scanned = distinct nodes scored. Inner product. */
+int hi_graph_search_group(const hi_index_t *ix, int64_t n_nodes, const hi_keys_t *keys,
+                          const float *qs, int G, int ef, int k, hi_ws_t *ws, hi_pair *res,
+                          int64_t *nres, int64_t *scanned) {
+  const int dim = ix->dim;
+  const int64_t W = ef > k ? ef : k;
+  for (int g = 0; g < G; g++) nres[g] = 0;
+  *scanned = 0;
+  int32_t e = ix->entry;
+  if (e < 0 || e >= n_nodes || ef <= 0 || G < 1) return HI_OK;
+  int err = hi_ws_ensure(ws, n_nodes, ef, (int64_t)G * ix->R + ix->R, dim);
+  if (err) return err;
+  int64_t *nc = calloc((size_t)G, sizeof(int64_t)), *cap = calloc((size_t)G, sizeof(int64_t));
+  int64_t *ntop = k > ef ? calloc((size_t)G, sizeof(int64_t)) : nres;
+  hi_pair *tops = k > ef ? malloc((size_t)G * (size_t)ef * sizeof(hi_pair)) : res; /* the beams */
+  hi_pair **cand = calloc((size_t)G, sizeof(hi_pair *));
+  unsigned char *done = calloc((size_t)G, 1);
+  if (!nc || !cap || !cand || !done || !ntop || !tops) err = HI_ENOMEM;
+  for (int g = 0; g < G && !err; g++) {
+    cap[g] = 2 * (int64_t)ef + 1;
+    if (!(cand[g] = malloc((size_t)cap[g] * sizeof(hi_pair)))) err = HI_ENOMEM;
+  }
+  if (!err) memset(ws->visited, 0, (size_t)((n_nodes + 63) >> 6) * sizeof(uint64_t));
+  int32_t *nb = ws->ids;
+  float *dist = ws->dist; /* [G, m] */
+  int m = 1;
+  nb[0] = e;
+  vis_test_set(ws->visited, e);
+  int64_t count = 0;
+  int h0 = 0; /* the entry, then the hub seeds R at a time, then the expansions */
+  int left = G, turn = 0;
+  while (!err && left > 0) {
+    if (m > 0) { /* score the new nodes for every query and offer them to its beam */
+      count += m;
+      for (int g = 0; g < G; g++) {
+        dist_ids(keys, HI_IP, qs + (int64_t)g * dim, nb, m, dist + (int64_t)g * m);
+        hi_pair *top = tops + (int64_t)g * ef;
+        for (int j = 0; j < m && !err; j++) {
+          const hi_pair p = {dist[(int64_t)g * m + j], nb[j]};
+          if (k > ef) hi_maxheap_offer(res + g * W, &nres[g], k, p);
+          if (ntop[g] < ef || hi_pair_lt(p, top[0])) {
+            if (nc[g] + 1 > cap[g]) {
+              hi_pair *np = realloc(cand[g], (size_t)(2 * cap[g]) * sizeof(hi_pair));
+              if (!np) {
+                err = HI_ENOMEM;
+                break;
+              }
+              cand[g] = np;
+              cap[g] *= 2;
+            }
+            hi_minheap_push(cand[g], &nc[g], p);
+            hi_maxheap_offer(top, &ntop[g], ef, p);
+          }
+        }
+      }
+      m = 0;
+    }
+    if (err) break;
+    if (h0 < ix->nhubs) { /* seeds: the hub keys join as neighbours of the entry */
+      for (int h = h0; h < ix->nhubs && h < h0 + ix->R; h++) {
+        const int32_t v = ix->hubs[h];
+        if (v >= 0 && v < n_nodes && !vis_test_set(ws->visited, v)) nb[m++] = v;
+      }
+      h0 += ix->R;
+      continue;
+    }
+    for (int i = 0; i < G && m == 0; i++) { /* queries take turns expanding one candidate */
+      const int g = turn;
+      turn = (turn + 1) % G;
+      if (done[g]) continue;
+      if (nc[g] == 0) {
+        done[g] = 1;
+        left--;
+        continue;
+      }
+      const hi_pair c = hi_minheap_pop(cand[g], &nc[g]);
+      if (ntop[g] >= ef && c.d > tops[(int64_t)g * ef].d) {
+        done[g] = 1;
+        left--;
+        continue;
+      }
+      const int deg = read_nbrs(ix, NULL, c.id, nb + ix->R); /* staged past nb's first R */
+      for (int j = 0; j < deg; j++) {
+        const int32_t v = nb[ix->R + j];
+        if (v >= 0 && v < n_nodes && !vis_test_set(ws->visited, v)) nb[m++] = v;
+      }
+    }
+  }
+  for (int g = 0; cand && g < G; g++) free(cand[g]);
+  free(cand);
+  free(nc);
+  free(cap);
+  free(done);
+  if (k > ef) {
+    free(ntop);
+    free(tops);
+  }
+  *scanned = count;
+  return err;
+}
+
 /* --- neighbour selection -------------------------------------------------- */
 
 /* RNG-style pruning (HNSW's heuristic; Vamana's with alpha > 1 under L2):
