@@ -36,7 +36,9 @@ import recall
 import results_io
 from host_index.synthetic import clustered
 
-flags.DEFINE_list("efs", ["64", "80", "100"], "Search efs (beam widths) to compare.")
+# recall.py's flags serve here too (--model, --context_len, --decode_steps, --layers, --sinks, --window,
+# --k, --threads, --cache_dir, --out_dir, --name); its --efs (beam widths compared) defaults here to:
+flags.FLAGS.set_default("efs", ["64", "80", "100"])
 flags.DEFINE_integer("synthetic_keys", 0, "Keys per KV head of the synthetic part (0: skip it; 131072 as at 128K).")
 flags.DEFINE_integer("synthetic_layers", 4, "Layers of the synthetic part (their stores should exceed the caches).")
 flags.DEFINE_float("synthetic_noise", 0.7, "Spread of a group's query heads around their shared direction.")

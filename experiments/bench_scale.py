@@ -72,6 +72,9 @@ POLICIES = {
                                                      "speculative": True, "reserved_cores": 0}),
     "retrieval_step_lag2_kv_spec_r4": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
                                                      "speculative": True, "reserved_cores": 4}),
+    # the query heads of a KV head search its graph together (grouped_search; off by default)
+    "retrieval_step_lag2_kv_spec_grouped": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
+                                                          "speculative": True, "grouped_search": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

@@ -181,7 +181,7 @@ class HostRuntime:
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, reserved_cores: int = 0, grouped_search: bool = True):
+               background_nice: int = 0, reserved_cores: int = 0, grouped_search: bool = False):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau

@@ -175,8 +175,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   grouped_search: where the indexes are graphs per KV head (index="graph", or roar with
     roar_heads="kv"), a KV head's query heads walk its graph together: each key reached is scored
     for all of them while its row is in cache (host_index.HostContext.search's `grouped`). On real
-    SmolLM2 decode queries at 8K it scored recall@100 0.981 loading 3,574 rows a step against
-    0.964 and 6,586 searching head by head (experiments/results/bench_group_search_*).
+    SmolLM2 decode queries at 8K (ef 100) it reached recall@100 0.981 loading 3,578 rows a step
+    against 0.964 and 6,588 head by head, but took 0.34 against 0.25 ms on the 2-core dev box (every
+    row it loads is offered to G beams), and at equal recall per-head search was faster there
+    (experiments/results/bench_group_search_smollm2_8k_cpu.md). Off by default until the H200,
+    whose searches at 128K wait on memory more, says otherwise.
   """
 
   index: str = "roar"
@@ -200,7 +203,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
-  grouped_search: bool = True
+  grouped_search: bool = False
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
