@@ -175,8 +175,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   grouped_search: where the indexes are graphs per KV head (index="graph", or roar with
     roar_heads="kv"), a KV head's query heads walk its graph together: each key reached is scored
     for all of them while its row is in cache (host_index.HostContext.search's `grouped`). On real
-    SmolLM2 decode queries at 8K (ef 100) it reached recall@100 0.981 loading 3,578 rows a step
-    against 0.964 and 6,588 head by head, but took 0.34 against 0.25 ms on the 2-core dev box (every
+    SmolLM2 decode queries at 8K (ef 100) it reached recall@100 0.981 loading 3,575 rows a step
+    against 0.964 and 6,585 head by head, but took 0.38 against 0.28 ms on the 2-core dev box (every
     row it loads is offered to G beams), and at equal recall per-head search was faster there
     (experiments/results/bench_group_search_smollm2_8k_cpu.md). Off by default until the H200,
     whose searches at 128K wait on memory more, says otherwise.
