@@ -16,7 +16,14 @@ builds) and the overlap with the caller's next layer, not build speed.
 
 roar trains on `--train_queries` strided queries per query head with their exact top-100 among
 the layer's keys, computed once beforehand as retrieval's prefill does (on the device where
-there is one).
+there is one), and with --connect_candidates (the default) links each key through its 64
+nearest keys, computed beforehand as the prefill does (ops.nearest_keys, up to 131,072 keys a
+head; on a CPU backend only with --candidates_on_cpu); without them, or past that length, the
+build searches its graph for every key as RoarGraph does.
+
+phase_*_s: the builds' own timers (host_index stats), summed over the indexes: training links,
+projection, connectivity (the link search or the candidates' pruning), reachability repair,
+co-occurrence links. Queued builds run one core each, so there the sums are core-seconds.
 Vectors: SYNTHETIC clusters (host_index.synthetic.clustered), or with --capture a cached
 experiments/recall.py capture (.npz with q [L, Hq, N, D] and k [L, Hkv, N, D]), whose layers
 are reused cyclically. Build times depend on the vectors (a graph's connectivity pass searches
@@ -33,7 +40,8 @@ from absl import app, flags
 import host_index
 from host_index.synthetic import clustered
 from kvjax.host_runtime import available_cores
-from kvjax.policies.retrieval import _train_topk
+from kvjax.policies import retrieval
+from kvjax.policies.retrieval import _connect_candidates, _train_topk
 import results_io
 
 flags.DEFINE_integer("layers", 24, "Layers, every one indexed.")
@@ -46,6 +54,9 @@ flags.DEFINE_integer("train_topk", 100, "roar: N_q, exact top keys per training 
 flags.DEFINE_enum("index", "roar", ["roar", "graph", "ivf"], "Index kind.")
 flags.DEFINE_enum("roar_heads", "query", ["query", "kv"], "roar: one graph per query head or per KV head.")
 flags.DEFINE_list("schedules", ["per_head", "queued"], "Schedules timed, in this order.")
+flags.DEFINE_boolean("connect_candidates", True, "roar: link each key through its nearest keys, computed beforehand "
+                     "as retrieval's prefill does (ops.nearest_keys), instead of searching for them.")
+flags.DEFINE_boolean("candidates_on_cpu", False, "Compute those candidates on a CPU backend too (the prefill does not).")
 flags.DEFINE_string("capture", None, "experiments/recall.py .npz of real vectors (default: synthetic).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_build", "Results file name.")
@@ -71,10 +82,15 @@ def build_all(schedule: str, layers) -> tuple[host_index.HostContext, float]:
   """A filled context, and the wall seconds its indexes took under `schedule`."""
   ctx = host_index.HostContext(1, FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, dtype="bfloat16",
                                kind=FLAGS.index, roar_heads=FLAGS.roar_heads if FLAGS.index == "roar" else "query")
-  for layer, (keys, _, _) in enumerate(layers):
+  for layer, (keys, _, _, _) in enumerate(layers):
     ctx.append(0, layer, 0, keys, keys)
-  train = lambda layer: ({} if FLAGS.index != "roar" else
-                         dict(train_queries=layers[layer][1][None], train_topk=layers[layer][2][None]))
+  def train(layer):
+    if FLAGS.index != "roar":
+      return {}
+    _, queries, topk, cand = layers[layer]
+    return dict(train_queries=queries[None], train_topk=topk[None],
+                connect_candidates=None if cand is None else cand[None])
+
   t = time.perf_counter()
   for layer in range(FLAGS.layers):
     ctx.build_layer(layer, wait=schedule == "per_head", **train(layer))
@@ -86,13 +102,18 @@ def main(argv):
   del argv
   t = time.perf_counter()
   capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
-  layers = []
+  retrieval.NEIGHBOURS_ON_CPU = FLAGS.candidates_on_cpu
+  layers, candidates_s = [], 0.0
   for layer in range(FLAGS.layers):
     keys, queries = layer_vectors(layer, capture)
     # the training links as retrieval's prefill computes them (ops.exact_topk on an accelerator)
     topk = _train_topk(queries, keys, FLAGS.train_topk) if FLAGS.index == "roar" else None
-    layers.append((keys, queries, topk))
+    t_cand = time.perf_counter()
+    cand = _connect_candidates(keys) if FLAGS.index == "roar" and FLAGS.connect_candidates else None
+    candidates_s += time.perf_counter() - t_cand
+    layers.append((keys, queries, topk, cand))
   prepare_s = time.perf_counter() - t
+  with_candidates = layers[0][3] is not None
   rows, reference = [], None
   for schedule in FLAGS.schedules:
     ctx, seconds = build_all(schedule, layers)
@@ -100,10 +121,14 @@ def main(argv):
     ids = ctx.search(0, probe, k=10)[0]
     reference = ids if reference is None else reference
     builds = FLAGS.layers * ctx.index_heads
+    stats = [ctx.index(0, layer, h).stats() for layer in range(FLAGS.layers) for h in range(ctx.index_heads)]
+    phases = {f"phase_{p}_s": round(sum(st[f"t_{p}"] for st in stats), 2)
+              for p in ("topk", "project", "connect", "repair", "cooc")}
     rows.append(dict(schedule=schedule, index=FLAGS.index, roar_heads=FLAGS.roar_heads, layers=FLAGS.layers,
                      q_heads=FLAGS.q_heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, keys=FLAGS.keys,
-                     train_queries=FLAGS.train_queries, builds=builds, host_cores=available_cores(),
-                     build_s=round(seconds, 2), s_per_build=round(seconds / builds, 4),
+                     train_queries=FLAGS.train_queries, candidates=with_candidates, builds=builds,
+                     host_cores=available_cores(), build_s=round(seconds, 2), s_per_build=round(seconds / builds, 4),
+                     **phases,
                      probe_top10_overlap=round(float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(
                          ids.reshape(-1, 10), reference.reshape(-1, 10))])), 3)))
     print(rows[-1], flush=True)
@@ -111,8 +136,13 @@ def main(argv):
   for row in rows:
     row["speedup_vs_first"] = round(base / row["build_s"], 2)
   vectors = f"capture {FLAGS.capture}" if FLAGS.capture else "SYNTHETIC clustered vectors"
+  links = (f"each key's {retrieval.CONNECT_CANDIDATES} nearest keys as link candidates, computed beforehand as the "
+           f"prefill does ({candidates_s:.1f} s of the preparation)" if with_candidates else
+           "no link candidates: the builds search for each key's links")
   notes = (f"One sequence, every layer indexed; {vectors}; exact training top-{FLAGS.train_topk} computed beforehand "
-           f"as retrieval's prefill does ({prepare_s:.1f} s, not in build_s). build_s = wall seconds to build every index; "
+           f"as retrieval's prefill does; {links} (preparation {prepare_s:.1f} s, not in build_s). "
+           "build_s = wall seconds to build every index; phase_*_s = the builds' own timers summed over the indexes "
+           "(training links, projection, connectivity, repair, co-occurrence links; core-seconds when queued); "
            "probe_top10_overlap = top-10 overlap with the first schedule's index for each head's first training "
            "query (builds with several threads differ within noise; one-thread builds are deterministic).")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)
