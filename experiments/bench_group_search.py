@@ -118,14 +118,10 @@ def synthetic_rows() -> list[dict]:
 
 def main(argv):
   del argv
-  model = FLAGS.model or bench_insert.DEFAULT_MODEL
-  data = recall.load_or_capture(model, FLAGS.context_len, decode_steps=FLAGS.decode_steps, text="docs", seed=0,
-                                cache_dir=FLAGS.cache_dir)
+  data, layers = bench_insert.load_capture()
   q, k = data["q"], data["k"]  # [L, Hq, N + S, D], [L, Hkv, N + S, D]
   rows = []
-  for layer in (int(x) for x in FLAGS.layers or bench_insert.DEFAULT_LAYERS):
-    if not 0 <= layer < k.shape[0]:
-      raise ValueError(f"--layers: {layer} is not a layer of {model} ({k.shape[0]} layers)")
+  for layer in layers:
     rows += real_rows(q, k, layer)
     print(*rows[-2 * len(FLAGS.efs):], sep="\n", flush=True)
   if FLAGS.synthetic_keys > 0:
@@ -141,8 +137,7 @@ def main(argv):
                               recall=round(float(np.mean([r["recall"] for r in sel])), 4) if part == "real" else None,
                               rows_per_step=int(np.mean([r["rows_per_step"] for r in sel])),
                               ms_per_step=round(float(np.mean([r["ms_per_step"] for r in sel])), 3)))
-  notes = (f"real: {data['meta']['model']} vectors ({FLAGS.context_len} prompt tokens of {data['meta']['text']} text, "
-           f"{FLAGS.decode_steps} greedy decode steps), roar per KV head over the keys between the sinks and the "
+  notes = (f"real: {bench_insert.capture_description(data)}, roar per KV head over the keys between the sinks and the "
            f"window, every query head of a layer searched in one call a step, recall@{FLAGS.k} against exact top-k. "
            + (f"synthetic: {FLAGS.synthetic_layers} layers x 3 KV heads x {FLAGS.synthetic_keys} clustered keys "
               f"(bfloat16), graph indexes, 9 query heads drawn around their group's direction with noise "

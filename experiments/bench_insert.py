@@ -117,16 +117,29 @@ def layer_rows(q, k, layer: int) -> list[dict]:
   return rows
 
 
-def main(argv):
-  del argv
+def load_capture() -> tuple[dict, list[int]]:
+  """recall.py's capture of --model (cached) and the layers of --layers, checked against it."""
   model = FLAGS.model or DEFAULT_MODEL
   data = recall.load_or_capture(model, FLAGS.context_len, decode_steps=FLAGS.decode_steps, text="docs", seed=0,
                                 cache_dir=FLAGS.cache_dir)
+  layers = [int(x) for x in FLAGS.layers or DEFAULT_LAYERS]
+  for layer in layers:
+    if not 0 <= layer < data["k"].shape[0]:
+      raise ValueError(f"--layers: {layer} is not a layer of {model} ({data['k'].shape[0]} layers)")
+  return data, layers
+
+
+def capture_description(data) -> str:
+  return (f"{data['meta']['model']} vectors ({FLAGS.context_len} prompt tokens of {data['meta']['text']} text, "
+          f"{FLAGS.decode_steps} greedy decode steps)")
+
+
+def main(argv):
+  del argv
+  data, layers = load_capture()
   q, k = data["q"], data["k"]  # [L, Hq, N + S, D], [L, Hkv, N + S, D]
   rows = []
-  for layer in (int(x) for x in FLAGS.layers or DEFAULT_LAYERS):
-    if not 0 <= layer < k.shape[0]:
-      raise ValueError(f"--layers: {layer} is not a layer of {model} ({k.shape[0]} layers)")
+  for layer in layers:
     rows += layer_rows(q, k, layer)
     print(*rows[-len(FLAGS.ef_inserts) - 2:], sep="\n", flush=True)
   summary = []
@@ -139,8 +152,7 @@ def main(argv):
                         recall=mean("recall"), inserted_recall=mean("inserted_recall"),
                         inserted_share=mean("inserted_share"), scanned=int(np.median([r["scanned"] for r in sel])),
                         layers=len(sel)))
-  notes = (f"{data['meta']['model']} vectors ({FLAGS.context_len} prompt tokens of {data['meta']['text']} text, "
-           f"{FLAGS.decode_steps} greedy decode steps); index kind {FLAGS.index_kind}; the last {FLAGS.inserts} keys before "
+  notes = (f"{capture_description(data)}; index kind {FLAGS.index_kind}; the last {FLAGS.inserts} keys before "
            "the window inserted one per step into every KV head's index on one thread (HostContext.index_stored, the decode path; roar links each through its group's mean query). recall: the decode queries' "
            f"recall@{FLAGS.k} over every key; inserted_recall: over the true top-{FLAGS.k} ids that were inserted; "
            "inserted_share: their share of the true top ids. us_per_insert: median per call (summary: median of "

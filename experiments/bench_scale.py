@@ -39,6 +39,10 @@ from absl import app, flags
 
 import host_phases
 
+# retrieval's per_step bridge at lag 2, roar per KV head, speculative: the 128K configuration the
+# presets below vary one option of, side by side
+_STEP_SPEC = {"bridge": "per_step", "lag": 2, "roar_heads": "kv", "speculative": True}
+
 POLICIES = {
     "full": ("full", {}),
     "retrieval": ("retrieval", {}),
@@ -46,35 +50,26 @@ POLICIES = {
     "retrieval_step_lag2": ("retrieval", {"bridge": "per_step", "lag": 2}),
     "retrieval_step_lag1_kv": ("retrieval", {"bridge": "per_step", "lag": 1, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
-    "retrieval_step_lag2_kv_spec": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                  "speculative": True}),
+    "retrieval_step_lag2_kv_spec": ("retrieval", _STEP_SPEC),
     # successors off: what the default successors (= lag) cost, side by side (a decode option: it
     # reloads the spec row's context when both run)
-    "retrieval_step_lag2_kv_spec_s0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                     "speculative": True, "successors": 0}),
+    "retrieval_step_lag2_kv_spec_s0": ("retrieval", _STEP_SPEC | {"successors": 0}),
     # host threads at the caller's priority (background_nice 0), as before 2026-12-03: what
     # lowering them (the default, 10) gains, side by side (a decode option, like _s0)
-    "retrieval_step_lag2_kv_spec_nice0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                        "speculative": True, "background_nice": 0}),
+    "retrieval_step_lag2_kv_spec_nice0": ("retrieval", _STEP_SPEC | {"background_nice": 0}),
     # 32 tail slots (default 8): each KV-head group is refreshed every 16 steps instead of every 4
     # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
-    "retrieval_step_lag2_kv_spec_t32": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                      "speculative": True, "tail_slots": 32}),
+    "retrieval_step_lag2_kv_spec_t32": ("retrieval", _STEP_SPEC | {"tail_slots": 32}),
     # the background indexing on 16 / 6 threads (default: every core; 11 of 16 until
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
-    "retrieval_step_lag2_kv_spec_idx16": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                        "speculative": True, "index_threads": 16}),
-    "retrieval_step_lag2_kv_spec_idx6": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                       "speculative": True, "index_threads": 6}),
+    "retrieval_step_lag2_kv_spec_idx16": ("retrieval", _STEP_SPEC | {"index_threads": 16}),
+    "retrieval_step_lag2_kv_spec_idx6": ("retrieval", _STEP_SPEC | {"index_threads": 6}),
     # no cores reserved for the thread launching the step (default: one in eight, 2 of the H200
     # host's 16), as before 2026-12-03 (the exchange then also runs at background_nice), and 4
-    "retrieval_step_lag2_kv_spec_r0": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                     "speculative": True, "reserved_cores": 0}),
-    "retrieval_step_lag2_kv_spec_r4": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                     "speculative": True, "reserved_cores": 4}),
+    "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
+    "retrieval_step_lag2_kv_spec_r4": ("retrieval", _STEP_SPEC | {"reserved_cores": 4}),
     # the query heads of a KV head search its graph together (grouped_search; off by default)
-    "retrieval_step_lag2_kv_spec_grouped": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv",
-                                                          "speculative": True, "grouped_search": True}),
+    "retrieval_step_lag2_kv_spec_grouped": ("retrieval", _STEP_SPEC | {"grouped_search": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

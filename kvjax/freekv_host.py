@@ -132,7 +132,7 @@ class FreeKVRuntime:
   def worker(self) -> concurrent.futures.ThreadPoolExecutor:
     """The one host thread lag-2 exchanges run on (in order)."""
     if self._worker is None:
-      nice = 0 if self.worker_cores else self.background_nice
+      nice = host_runtime.exchange_nice(self.worker_cores, self.background_nice)
       self._worker = host_runtime.background_worker("freekv-exchange", nice, self.worker_cores)
     return self._worker
 

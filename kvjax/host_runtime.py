@@ -138,6 +138,12 @@ def worker_cores(reserved: int) -> frozenset[int] | None:
   return frozenset(allowed[reserved:])
 
 
+def exchange_nice(cores: frozenset[int] | None, background_nice: int) -> int:
+  """The nice value of a lag-2 exchange thread: the caller's (0) where it has worker cores to itself
+  (the launching thread keeps the reserved ones), else `background_nice`."""
+  return 0 if cores else background_nice
+
+
 def _lower_priority(nice: int, cores: frozenset[int] | None = None) -> None:
   """Raises the calling thread's nice value to `nice` (never lowers it: that needs privileges)
   and, given `cores`, restricts it to them. Linux only (elsewhere both calls would act on the
@@ -174,14 +180,14 @@ class HostRuntime:
   cores. The two thread teams run at the same time and must not share cores: an OpenMP team
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
-  reserved_cores: cores the background threads stay off (`worker_cores`; 0: none).
+  worker_cores: the cores the background threads run on (as `worker_cores` returns them; None: any).
   grouped_search: the query heads of a KV head search its graph together (HostContext.search's
     `grouped`), where the indexes are graphs per KV head (graph, roar with roar_heads="kv").
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, reserved_cores: int = 0, grouped_search: bool = False):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None, grouped_search: bool = False):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -191,7 +197,7 @@ class HostRuntime:
       raise ValueError(f"background_threads={background_threads} must be >= 1")
     self.critical_threads = max(1, available_cores() - self.background_threads)
     self.background_nice = background_nice
-    self.worker_cores = worker_cores(reserved_cores)
+    self.worker_cores = worker_cores
     self.grouped_search = bool(grouped_search) and context.kind in ("graph", "roar") and not context.per_q_head
     self.stats = HostStats()
     self.errors: list[str] = []

@@ -49,7 +49,7 @@ import numpy as np
 
 import host_index
 from kvjax.host_runtime import (HostRuntime, available_cores, background_worker, default_reserved_cores,
-                                group_mean_cosine, reuse_hits, worker_cores)
+                                exchange_nice, group_mean_cosine, reuse_hits, worker_cores)
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -127,7 +127,7 @@ class PrefetchRuntime(HostRuntime):
     workers = len(cores) if cores else available_cores()
     if background_threads is None:
       background_threads = workers
-    super().__init__(context, background_threads=background_threads, reserved_cores=reserved_cores, **kwargs)
+    super().__init__(context, background_threads=background_threads, worker_cores=cores, **kwargs)
     self.gather_threads = gather_threads(workers)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")
@@ -140,7 +140,7 @@ class PrefetchRuntime(HostRuntime):
     self.successor_sources = min(int(successor_sources), self.topk)
     self.search_threads = workers  # the search runs after the previous indexing, before the next
     self.buffers = StepBuffers()
-    self._prefetcher = background_worker("kvjax-prefetch", 0 if cores else self.background_nice, cores)
+    self._prefetcher = background_worker("kvjax-prefetch", exchange_nice(cores, self.background_nice), cores)
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
     # updates returned so far leave it; None until the first step (or set from a loaded state).

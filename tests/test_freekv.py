@@ -551,18 +551,15 @@ def test_key_codes_hold_every_stored_key_and_select_the_next_pages():
 def test_lag_two_exchange_thread_stays_off_the_reserved_cores():
   """Lag 2's exchange thread runs on the cores left after the reserved ones, at the caller's
   priority, and its page fetch sizes its OpenMP team to them; lag 1 reserves none."""
-  import threading
-
   import host_index
+  from test_retrieval import cores, nice
 
   allowed = sorted(os.sched_getaffinity(0))
   context = host_index.HostContext(1, 1, 2, 1, 4, kind="flat", page_size=2)
   runtime = freekv_host.FreeKVRuntime(context, sinks=0, page_size=2, sync_recall=1, sparse_layers=1, step_buffers=2,
                                       background_nice=5, reserved_cores=1)
   try:
-    where = runtime.worker().submit(lambda: (os.sched_getaffinity(threading.get_native_id()),
-                                             os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-    assert where.result() == (set(allowed[1:]), os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+    assert runtime.worker().submit(lambda: (cores(), nice())).result() == (set(allowed[1:]), nice())
     assert runtime.fetch_threads == len(allowed) - 1
   finally:
     runtime.close()

@@ -3,6 +3,7 @@ step, evicted tokens stay retrievable, host errors surface after the step."""
 
 import os
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -179,28 +180,34 @@ def test_background_threads_default_to_half_the_cores():
     host_runtime.HostRuntime(context, sinks=0, window=1, topk=2, ef=None, scale=1.0, background_threads=0)
 
 
+def nice():
+  """The calling thread's nice value."""
+  return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def cores():
+  """The cores the calling thread may run on."""
+  return os.sched_getaffinity(threading.get_native_id())
+
+
+def in_a_thread_it_starts(fn):
+  """fn() run in a thread the calling thread starts (as an OpenMP team's threads are)."""
+  seen = []
+  child = threading.Thread(target=lambda: seen.append(fn()))
+  child.start()
+  child.join()
+  return seen[0]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_background_worker_lowers_its_threads_priority():
   """The worker's thread and the threads it starts (as an OpenMP team would) run at the nice
   value asked for; the caller's own priority is untouched."""
-  import os
-  import threading
-
-  def nice():
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-  def nice_of_a_thread_it_starts():
-    seen = []
-    child = threading.Thread(target=lambda: seen.append(nice()))
-    child.start()
-    child.join()
-    return seen[0]
-
   before = nice()
   target = min(19, before + 7)
   with host_runtime.background_worker("test-nice", target) as worker:
     assert worker.submit(nice).result() == target
-    assert worker.submit(nice_of_a_thread_it_starts).result() == target
+    assert worker.submit(in_a_thread_it_starts, nice).result() == target
   with host_runtime.background_worker("test-nice", 0) as worker:
     assert worker.submit(nice).result() == before
   assert nice() == before
@@ -217,18 +224,6 @@ def test_background_worker_lowers_its_threads_priority():
 def test_worker_threads_stay_off_the_reserved_cores():
   """The workers of a per_step runtime (lag 2's exchange, the indexing) and every thread they start
   run only on the cores left after the reserved ones; the caller keeps all of its cores."""
-  import threading
-
-  def cores():
-    return os.sched_getaffinity(threading.get_native_id())
-
-  def cores_of_a_thread_it_starts():
-    seen = []
-    child = threading.Thread(target=lambda: seen.append(cores()))
-    child.start()
-    child.join()
-    return seen[0]
-
   allowed = sorted(os.sched_getaffinity(0))
   assert host_runtime.worker_cores(0) is None
   assert host_runtime.worker_cores(1) == frozenset(allowed[1:])
@@ -242,8 +237,7 @@ def test_worker_threads_stay_off_the_reserved_cores():
     assert runtime.search_threads == len(allowed) - 1 == runtime.background_threads
     for worker in (runtime._prefetcher, runtime._executor):
       assert worker.submit(cores).result() == set(allowed[1:])
-      assert worker.submit(cores_of_a_thread_it_starts).result() == set(allowed[1:])
-    nice = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+      assert worker.submit(in_a_thread_it_starts, cores).result() == set(allowed[1:])
     # cores reserved: the exchange keeps the caller's priority, the indexing lowers its own
     assert runtime._prefetcher.submit(nice).result() == nice() < runtime._executor.submit(nice).result()
   finally:

@@ -138,56 +138,43 @@ int hi_search_layer(hi_index_t *const *idx, const hi_keys_t *keys, int B, int Hq
   int64_t active = 0;
   for (int64_t t = 0; t < T; t++) active += !mask || mask[t];
   int err = HI_OK;
-  const int G = Hq / Hkv, dim = keys[0].dim;
-  if (grouped && !per_q && G > 1) {
-    const int64_t groups = (int64_t)B * Hkv;
-#pragma omp parallel num_threads(hi_team(threads, groups, active * HI_MIN_WORK))
-    {
-      hi_ws_t ws = {0};
-      int *heads = malloc((size_t)G * sizeof(int));
-      float *qbuf = malloc((size_t)G * dim * sizeof(float));
-      int64_t *ibuf = malloc((size_t)G * (k > 0 ? k : 1) * sizeof(int64_t));
-      float *sbuf = malloc((size_t)G * (k > 0 ? k : 1) * sizeof(float));
-      int64_t *cbuf = malloc((size_t)G * sizeof(int64_t));
-      int lerr = heads && qbuf && ibuf && sbuf && cbuf ? HI_OK : HI_ENOMEM;
+  /* grouped: a task per KV head's index, searching its active heads together; else per head */
+  const int G = grouped && !per_q && Hq / Hkv > 1 ? Hq / Hkv : 1, dim = keys[0].dim;
+  const int64_t tasks = T / G, kk = k > 0 ? k : 1;
+#pragma omp parallel num_threads(hi_team(threads, G > 1 ? tasks : active, active * HI_MIN_WORK))
+  {
+    hi_ws_t ws = {0};
+    int *heads = malloc((size_t)G * sizeof(int));
+    float *qbuf = malloc((size_t)G * dim * sizeof(float));
+    int64_t *ibuf = malloc((size_t)(G * kk) * sizeof(int64_t));
+    float *sbuf = malloc((size_t)(G * kk) * sizeof(float));
+    int64_t *cbuf = malloc((size_t)G * sizeof(int64_t));
+    int lerr = heads && qbuf && ibuf && sbuf && cbuf ? HI_OK : HI_ENOMEM;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < groups; t++)
+    for (int64_t t = 0; t < tasks; t++) {
+      if (G > 1) {
         if (!lerr)
           lerr = search_group_task(idx, keys, Hq, Hkv, q, k, ef, mask, t, ids_out, scanned, heads,
                                    qbuf, ibuf, sbuf, cbuf, &ws);
-      if (lerr) {
-#pragma omp atomic write
-        err = lerr;
+        continue;
       }
-      free(heads);
-      free(qbuf);
-      free(ibuf);
-      free(sbuf);
-      free(cbuf);
-      hi_ws_free(&ws);
-    }
-    return err;
-  }
-#pragma omp parallel num_threads(hi_team(threads, active, active * HI_MIN_WORK))
-  {
-    hi_ws_t ws = {0};
-    float *sc = malloc((size_t)(k > 0 ? k : 1) * sizeof(float));
-    int lerr = sc ? HI_OK : HI_ENOMEM;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < T; t++) {
       int64_t *ids = ids_out + t * k;
       if (lerr || (mask && !mask[t])) {
         for (int j = 0; j < k; j++) ids[j] = -1;
         scanned[t] = 0;
         continue;
       }
-      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sc, &scanned[t], &ws);
+      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sbuf, &scanned[t], &ws);
     }
     if (lerr) {
 #pragma omp atomic write
       err = lerr;
     }
-    free(sc);
+    free(heads);
+    free(qbuf);
+    free(ibuf);
+    free(sbuf);
+    free(cbuf);
     hi_ws_free(&ws);
   }
   return err;
