@@ -243,7 +243,7 @@ def summaries(rows: list[dict]) -> list[dict]:
 # hidden_shares' pairs: each lag-2 `_kv` row's whole host time between steps against the
 # synchronous exchange (lag 1: the host searches and gathers between the steps).
 HIDING = [(key, "after_step_ms", "retrieval_step_lag1_kv")
-          for key in ("retrieval_step_lag2_kv", "retrieval_step_lag2_kv_spec", "retrieval_step_lag2_kv_spec_s0")]
+          for key in POLICIES if key.startswith("retrieval_step_lag2_kv")]
 
 
 def main(argv):
