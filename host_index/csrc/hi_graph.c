@@ -59,6 +59,23 @@ static const float *row_f32(const hi_keys_t *keys, int32_t id, float *buf) {
   return buf;
 }
 
+/* A search waits on memory, not arithmetic: past the caches every neighbour's row and every
+ * adjacency list is a DRAM miss. Asking for all of a node's neighbour rows, and for the next
+ * candidate's list, before the first is read keeps many misses in flight instead of a few. */
+static inline void prefetch_rows(const hi_keys_t *keys, const int32_t *ids, int m) {
+  const size_t bytes = (size_t)keys->dim * hi_itemsize(keys->dtype);
+  for (int j = 0; j < m; j++) {
+    const char *r = hi_row(keys, ids[j]);
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 1);
+  }
+}
+
+static inline void prefetch_nbrs(const hi_index_t *ix, int32_t u) {
+  const char *a = (const char *)(ix->adj + (size_t)u * ix->R);
+  for (size_t b = 0; b < (size_t)ix->R * sizeof(int32_t); b += 64) __builtin_prefetch(a + b, 0, 1);
+  __builtin_prefetch(ix->deg + u, 0, 1);
+}
+
 static int read_nbrs(const hi_index_t *ix, spin_t *locks, int32_t u, int32_t *buf) {
   if (locks) spin_lock(&locks[u]);
   const int d = ix->deg[u];
@@ -161,7 +178,9 @@ static int64_t search_core(const hi_index_t *ix, const hi_keys_t *keys, int64_t 
       if (v < 0 || v >= n_nodes || vis_test_set(ws->visited, v)) continue;
       nb[m++] = v;
     }
+    if (nc > 0) prefetch_nbrs(ix, ws->cand[0].id); /* likely the next expanded */
     if (m == 0) continue;
+    prefetch_rows(keys, nb, m);
     scanned += m;
     if ((err = score_and_offer(keys, mode, q, nb, m, ef, kres, ws, &nt, &nc, &nres))) return err;
   }
