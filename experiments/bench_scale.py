@@ -68,6 +68,8 @@ POLICIES = {
     # host's 16), as before 2026-12-03 (the exchange then also runs at background_nice), and 4
     "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
     "retrieval_step_lag2_kv_spec_r4": ("retrieval", _STEP_SPEC | {"reserved_cores": 4}),
+    # the indexing leaves 4 worker cores to the exchange's gather (exchange_cores; default 0)
+    "retrieval_step_lag2_kv_spec_x4": ("retrieval", _STEP_SPEC | {"exchange_cores": 4}),
     # the query heads of a KV head search its graph together (grouped_search; off by default)
     "retrieval_step_lag2_kv_spec_grouped": ("retrieval", _STEP_SPEC | {"grouped_search": True}),
     "freekv": ("freekv", {}),

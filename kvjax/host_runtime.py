@@ -125,12 +125,15 @@ def default_reserved_cores(cores: int) -> int:
   return cores // 8
 
 
-def worker_cores(reserved: int) -> frozenset[int] | None:
+def worker_cores(reserved: int, *, pin_all: bool = False) -> frozenset[int] | None:
   """The cores this process may use minus the `reserved` lowest-numbered; None (no pinning)
-  when nothing is reserved or the platform has no CPU affinity. Raises when none would be left."""
+  when nothing is reserved (unless `pin_all`) or the platform has no CPU affinity. Raises when
+  none would be left."""
   if reserved < 0:
     raise ValueError(f"reserved_cores={reserved} must be >= 0")
-  if reserved == 0 or not hasattr(os, "sched_getaffinity"):
+  if not hasattr(os, "sched_getaffinity"):
+    return None
+  if reserved == 0 and not pin_all:
     return None
   allowed = sorted(os.sched_getaffinity(0))
   if len(allowed) - reserved < 1:
@@ -181,13 +184,15 @@ class HostRuntime:
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
   worker_cores: the cores the background threads run on (as `worker_cores` returns them; None: any).
+  index_cores: the cores of the background indexing alone (default: worker_cores).
   grouped_search: the query heads of a KV head search its graph together (HostContext.search's
     `grouped`), where the indexes are graphs per KV head (graph, roar with roar_heads="kv").
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, worker_cores: frozenset[int] | None = None, grouped_search: bool = False):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None,
+               index_cores: frozenset[int] | None = None, grouped_search: bool = False):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -207,7 +212,7 @@ class HostRuntime:
     self._pending: dict[int, concurrent.futures.Future] = {}  # per layer: its background job
     self._unindexed_queries: dict[tuple[int, int], list] = {}  # (seq, layer): stored tokens' queries
     self._used_ids: dict[int, np.ndarray] = {}
-    self._executor = background_worker("kvjax-search", self.background_nice, self.worker_cores)
+    self._executor = background_worker("kvjax-search", self.background_nice, index_cores or self.worker_cores)
     self.id = register(self)
 
   def close(self) -> None:

@@ -5,11 +5,20 @@ exact top-N_q keys) and for recall studies. Queries are processed in blocks
 (`lax.map`); for each block the keys are scanned in chunks and a running top-k
 is merged chunk by chunk, so memory is O(Hq * block_q * (block_n + k)) and a
 128K x 128K head fits on the device.
+
+Within a chunk the top-k is taken in two stages (`_tiled_top_k`): the chunk's scores are
+cut into tiles, the k tiles with the largest maxima are kept, and the top-k of their
+scores is exact. A GPU top-k with k in the tens sorts its rows, and a 128K roar build's
+key neighbours (ops.nearest_keys, 131,072 rows of 131,072 scores a head) spent 144 of
+its 186 s of preparation there on the H200 with whole chunks sorted
+(experiments/results/bench_build_smollm2shapes_128k_h200.md); the two stages sort
+chunk / tile + k * tile values a row instead of chunk.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +27,31 @@ from jax import lax
 from ops import _checks
 
 _NEG_INF = float("-inf")
+
+
+def _tile_width(n: int, k: int) -> int:
+  """The power of two near sqrt(n / k): it minimises the values sorted, n / tile + k * tile."""
+  return 1 << max(0, round(0.5 * math.log2(max(n / k, 1.0))))
+
+
+def _tiled_top_k(s, k: int):  # s [..., n] float32
+  """lax.top_k(s, k) (scores, int32 positions), equal to it with ties too, sorting
+  n / tile + k * tile values a row rather than n.
+
+  Why exact: an element of the top k (value descending, position ascending) lies in a tile
+  among the k best by (tile maximum descending, tile position ascending); otherwise k such
+  tiles each hold an element ahead of it. The kept tiles are gathered in position order, so
+  the second top_k's ties still go to the lower position."""
+  n = s.shape[-1]
+  tile = _tile_width(n, k)
+  if tile == 1 or n % tile or n // tile <= k:
+    return lax.top_k(s, k)
+  tiles = s.reshape(*s.shape[:-1], n // tile, tile)
+  _, best = lax.top_k(jnp.max(tiles, axis=-1), k)
+  best = jnp.sort(best, axis=-1)  # [..., k] tile indices in position order
+  candidates = jnp.take_along_axis(tiles, best[..., None], axis=-2)  # [..., k, tile]
+  scores, pos = lax.top_k(candidates.reshape(*s.shape[:-1], k * tile), k)
+  return scores, jnp.take_along_axis(best, pos // tile, axis=-1) * tile + pos % tile
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_q", "block_n"))
@@ -55,7 +89,7 @@ def _exact_topk(
                      precision=precision)
       ids = start + jnp.arange(bn, dtype=jnp.int32)
       s = jnp.where((ids >= nominal) & (ids < lengths), s, _NEG_INF)
-      cs, ci = lax.top_k(s, kk)
+      cs, ci = _tiled_top_k(s, kk)
       ci = start + ci.astype(jnp.int32)
       # Running best first: on ties top_k keeps the lower index, like lax.top_k.
       ms, mi = lax.top_k(jnp.concatenate([best_s, cs], axis=-1), k)
@@ -125,7 +159,7 @@ def exact_topk(
     k: number of results (python int >= 0).
     key_lengths: [kv_heads] (or scalar) int32: only keys [0, key_lengths) count.
     block_q: queries per block (default 1024).
-    block_n: keys per chunk (default 8192).
+    block_n: keys per chunk (default 16384).
 
   Returns:
     scores: [q_heads, num_queries, k] float32 inner products q·key, descending.
@@ -145,7 +179,7 @@ def exact_topk(
   queries = queries.astype(jnp.promote_types(queries.dtype, keys.dtype))
   keys = keys.astype(queries.dtype)
   scores, ids = _exact_topk(queries, keys, key_lengths, k=keff,
-                            block_q=block_q or 1024, block_n=block_n or 8192)
+                            block_q=block_q or 1024, block_n=block_n or 16384)
   return _pad_k(scores, ids, k)
 
 

@@ -36,6 +36,17 @@ def test_matches_lax_top_k(hq, hkv, m, n, d, k, block_q, block_n, dtype):
   assert np.all(np.diff(np.asarray(scores)[..., :min(k, n)], axis=-1) <= 0)
 
 
+def test_ties_go_to_the_lower_index_as_in_lax_top_k():
+  """Integer-valued vectors tie often; the chunks' two-stage top-k (tiles by their maxima,
+  then the kept tiles' scores) must pick the same ids as lax.top_k over the whole product."""
+  rng = np.random.default_rng(7)
+  queries = jnp.asarray(rng.integers(-2, 3, (2, 40, 8)), jnp.float32)
+  keys = jnp.asarray(rng.integers(-2, 3, (1, 3000, 8)), jnp.float32)
+  _, ids = ops.exact_topk(queries, keys, 12, block_q=16, block_n=1024)
+  full = jnp.einsum("hmd,hnd->hmn", queries, jnp.repeat(keys, 2, axis=0), precision=jax.lax.Precision.HIGHEST)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(full, 12)[1]))
+
+
 def test_key_lengths_and_empty():
   rng = np.random.default_rng(0)
   queries = jnp.asarray(rng.standard_normal((4, 9, 64)), jnp.float32)

@@ -172,14 +172,17 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: per_step only: cores the host's worker threads stay off, for the thread that
     launches the step's kernels (default None: one in eight, none below eight cores;
     kvjax.prefetch_runtime.PrefetchRuntime).
+  exchange_cores: per_step lag 2 only: worker cores the background indexing leaves to the exchange's
+    gather, which runs beside it (default 0: it may use them all; kvjax.prefetch_runtime.PrefetchRuntime).
   grouped_search: where the indexes are graphs per KV head (index="graph", or roar with
     roar_heads="kv"), a KV head's query heads walk its graph together: each key reached is scored
     for all of them while its row is in cache (host_index.HostContext.search's `grouped`). On real
     SmolLM2 decode queries at 8K (ef 100) it reached recall@100 0.981 loading 3,575 rows a step
     against 0.964 and 6,585 head by head, but took 0.38 against 0.28 ms on the 2-core dev box (every
     row it loads is offered to G beams), and at equal recall per-head search was faster there
-    (experiments/results/bench_group_search_smollm2_8k_cpu.md). Off by default until the H200,
-    whose searches at 128K wait on memory more, says otherwise.
+    (experiments/results/bench_group_search_smollm2_8k_cpu.md). Off by default: on the H200 host at
+    128K (synthetic vectors) it was slower too, 4.6 against 3.4 ms of search a step and 12.2 against
+    10.5 ms a token (experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md).
   """
 
   index: str = "roar"
@@ -203,13 +206,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
+  exchange_cores: int = 0
   grouped_search: bool = False
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores",
-                    "grouped_search")
+                    "exchange_cores", "grouped_search")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -254,6 +258,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise TypeError(f"grouped_search={self.grouped_search!r} must be a bool")
     if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
+    if self.exchange_cores and (self.bridge != "per_step" or self.lag != 2 or self.exchange_cores < 0):
+      raise ValueError(f"exchange_cores={self.exchange_cores} must be >= 0 and applies to bridge='per_step', lag=2")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
@@ -323,7 +329,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
-                                              reserved_cores=self.reserved_cores, **common)
+                                              reserved_cores=self.reserved_cores,
+                                              exchange_cores=self.exchange_cores, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
