@@ -64,12 +64,11 @@ POLICIES = {
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
     "retrieval_step_lag2_kv_spec_idx16": ("retrieval", _STEP_SPEC | {"index_threads": 16}),
     "retrieval_step_lag2_kv_spec_idx6": ("retrieval", _STEP_SPEC | {"index_threads": 6}),
-    # no cores reserved for the thread launching the step (default: one in eight, 2 of the H200
-    # host's 16), as before 2026-12-03 (the exchange then also runs at background_nice), and 4
+    # cores reserved for the thread launching the step: none (the default since 2026-12-03; the
+    # exchange then runs at background_nice), 2 (the H200 host's default that day) and 4
     "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
+    "retrieval_step_lag2_kv_spec_r2": ("retrieval", _STEP_SPEC | {"reserved_cores": 2}),
     "retrieval_step_lag2_kv_spec_r4": ("retrieval", _STEP_SPEC | {"reserved_cores": 4}),
-    # the indexing leaves 4 worker cores to the exchange's gather (exchange_cores; default 0)
-    "retrieval_step_lag2_kv_spec_x4": ("retrieval", _STEP_SPEC | {"exchange_cores": 4}),
     # the query heads of a KV head search its graph together (grouped_search; off by default)
     "retrieval_step_lag2_kv_spec_grouped": ("retrieval", _STEP_SPEC | {"grouped_search": True}),
     "freekv": ("freekv", {}),
@@ -77,7 +76,8 @@ POLICIES = {
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
     "freekv_step_sync": ("freekv", {"bridge": "per_step", "sync_transfer": True}),
     "freekv_step_lag2": ("freekv", {"bridge": "per_step", "lag": 2}),
-    "freekv_step_lag2_r0": ("freekv", {"bridge": "per_step", "lag": 2, "reserved_cores": 0}),  # as before 2026-12-03
+    "freekv_step_lag2_r0": ("freekv", {"bridge": "per_step", "lag": 2, "reserved_cores": 0}),  # the default
+    "freekv_step_lag2_r2": ("freekv", {"bridge": "per_step", "lag": 2, "reserved_cores": 2}),
     "freekv_step_lag2_nice0": ("freekv", {"bridge": "per_step", "lag": 2, "background_nice": 0}),
     "freekv_step_lag2_keys2": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys2"}),
     "freekv_step_lag2_keys4": ("freekv", {"bridge": "per_step", "lag": 2, "page_summary": "keys4"}),

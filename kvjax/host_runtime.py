@@ -120,20 +120,22 @@ def background_worker(name: str, nice: int, cores: frozenset[int] | None = None)
 
 
 def default_reserved_cores(cores: int) -> int:
-  """Cores kept free of worker threads for the thread launching the device's kernels (and JAX's
-  own threads): one in eight, none below eight cores (too few to give any away)."""
-  return cores // 8
+  """Cores kept free of worker threads for the thread launching the device's kernels: none, on
+  any number of cores. Reserving 2 of the H200 host's 16 took retrieval's jitted step at 128K
+  from 6.7-7.0 to 4.5-4.9 ms (full: 4.3-4.5), but its lag-2 exchange, then the critical path, had
+  14 cores and the token took 10.5 / 11.6 ms against 10.0 / 10.8 with none (two runs; freekv lag 2:
+  7.8 against 7.3, one run; experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md,
+  _exchange_cores.md). Measure again once the exchange is shorter than the step."""
+  del cores
+  return 0
 
 
-def worker_cores(reserved: int, *, pin_all: bool = False) -> frozenset[int] | None:
+def worker_cores(reserved: int) -> frozenset[int] | None:
   """The cores this process may use minus the `reserved` lowest-numbered; None (no pinning)
-  when nothing is reserved (unless `pin_all`) or the platform has no CPU affinity. Raises when
-  none would be left."""
+  when nothing is reserved or the platform has no CPU affinity. Raises when none would be left."""
   if reserved < 0:
     raise ValueError(f"reserved_cores={reserved} must be >= 0")
-  if not hasattr(os, "sched_getaffinity"):
-    return None
-  if reserved == 0 and not pin_all:
+  if reserved == 0 or not hasattr(os, "sched_getaffinity"):
     return None
   allowed = sorted(os.sched_getaffinity(0))
   if len(allowed) - reserved < 1:
@@ -184,15 +186,13 @@ class HostRuntime:
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
   worker_cores: the cores the background threads run on (as `worker_cores` returns them; None: any).
-  index_cores: the cores of the background indexing alone (default: worker_cores).
   grouped_search: the query heads of a KV head search its graph together (HostContext.search's
     `grouped`), where the indexes are graphs per KV head (graph, roar with roar_heads="kv").
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, worker_cores: frozenset[int] | None = None,
-               index_cores: frozenset[int] | None = None, grouped_search: bool = False):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None, grouped_search: bool = False):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -212,7 +212,7 @@ class HostRuntime:
     self._pending: dict[int, concurrent.futures.Future] = {}  # per layer: its background job
     self._unindexed_queries: dict[tuple[int, int], list] = {}  # (seq, layer): stored tokens' queries
     self._used_ids: dict[int, np.ndarray] = {}
-    self._executor = background_worker("kvjax-search", self.background_nice, index_cores or self.worker_cores)
+    self._executor = background_worker("kvjax-search", self.background_nice, self.worker_cores)
     self.id = register(self)
 
   def close(self) -> None:

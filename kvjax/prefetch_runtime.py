@@ -117,30 +117,17 @@ class PrefetchRuntime(HostRuntime):
     off, for the thread launching the device's kernels (default `default_reserved_cores`). With
     cores reserved the exchange runs at the caller's priority and only the indexing, which has
     until the next exchange, at `background_nice`; with none both run at `background_nice`.
-  exchange_cores: worker cores the indexing leaves to the exchange's gather, which runs beside it
-    (0: the indexing may use every worker core, as the search before it does). On the H200 host
-    at 128K, sharing them, the slot assignment took 2.9 ms and a NumPy pass over 33K slots 1.2 ms
-    of a 5.9 ms gather section (scratch line profile, 16K keys a head, session 20's note).
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
-               background_threads: int | None = None, reserved_cores: int | None = None,
-               exchange_cores: int = 0, **kwargs):
+               background_threads: int | None = None, reserved_cores: int | None = None, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
     cores = worker_cores(reserved_cores)
     workers = len(cores) if cores else available_cores()
-    index_cores = None
-    if exchange_cores:
-      pool = sorted(cores or worker_cores(0, pin_all=True) or ())
-      if not 0 < exchange_cores < len(pool):
-        raise ValueError(f"exchange_cores={exchange_cores} must be >= 0 and leave the indexing one of the "
-                         f"{len(pool)} worker cores")
-      index_cores = frozenset(pool[exchange_cores:])
     if background_threads is None:
-      background_threads = workers - exchange_cores
-    super().__init__(context, background_threads=background_threads, worker_cores=cores, index_cores=index_cores,
-                     **kwargs)
+      background_threads = workers
+    super().__init__(context, background_threads=background_threads, worker_cores=cores, **kwargs)
     self.gather_threads = gather_threads(workers)
     if tail_slots < 1:
       raise ValueError(f"tail_slots={tail_slots} must be >= 1")

@@ -490,8 +490,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       OpenMP team, so they yield the cores to the thread launching the step's kernels
       (kvjax.host_runtime.background_worker); 0 leaves them at the caller's priority.
     reserved_cores: per_step lag 2: cores the exchange thread and its OpenMP team stay off, for
-      the thread launching the step's kernels (default None: one in eight, none below eight
-      cores; kvjax.host_runtime.default_reserved_cores); with cores reserved the exchange runs
+      the thread launching the step's kernels (default None: none;
+      kvjax.host_runtime.default_reserved_cores says why); with cores reserved the exchange runs
       at the caller's priority.
   """
 

@@ -170,10 +170,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   index_threads: per_step only: OpenMP threads of the background indexing, which runs beside the
     exchange's gather (default None: every worker core; kvjax.prefetch_runtime.gather_threads says why).
   reserved_cores: per_step only: cores the host's worker threads stay off, for the thread that
-    launches the step's kernels (default None: one in eight, none below eight cores;
-    kvjax.prefetch_runtime.PrefetchRuntime).
-  exchange_cores: per_step lag 2 only: worker cores the background indexing leaves to the exchange's
-    gather, which runs beside it (default 0: it may use them all; kvjax.prefetch_runtime.PrefetchRuntime).
+    launches the step's kernels (default None: none; kvjax.host_runtime.default_reserved_cores
+    says why; kvjax.prefetch_runtime.PrefetchRuntime).
   grouped_search: where the indexes are graphs per KV head (index="graph", or roar with
     roar_heads="kv"), a KV head's query heads walk its graph together: each key reached is scored
     for all of them while its row is in cache (host_index.HostContext.search's `grouped`). On real
@@ -206,14 +204,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
-  exchange_cores: int = 0
   grouped_search: bool = False
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores",
-                    "exchange_cores", "grouped_search")
+                    "grouped_search")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -258,8 +255,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise TypeError(f"grouped_search={self.grouped_search!r} must be a bool")
     if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
-    if self.exchange_cores and (self.bridge != "per_step" or self.lag != 2 or self.exchange_cores < 0):
-      raise ValueError(f"exchange_cores={self.exchange_cores} must be >= 0 and applies to bridge='per_step', lag=2")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
   def describe(self) -> str:
@@ -329,8 +324,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
-                                              reserved_cores=self.reserved_cores,
-                                              exchange_cores=self.exchange_cores, **common)
+                                              reserved_cores=self.reserved_cores, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
