@@ -1,6 +1,6 @@
 """What the prefill's device top-k ops cost, per key chunk size, side by side.
 
-    python experiments/bench_topk.py --keys=131072 --block_n=8192,16384,65536,131072
+    python experiments/bench_topk.py --keys=131072 --block_n=16384,65536,0
 
 A roar build at 128K keys a head takes two device results before it starts (kvjax.policies
 .retrieval): each training query's exact top-100 keys (`ops.exact_topk`, 4,096 queries per
@@ -33,8 +33,9 @@ flags.DEFINE_integer("head_dim", 64, "Head dimension.")
 flags.DEFINE_integer("train_queries", 4096, "Training queries per query head.")
 flags.DEFINE_integer("train_topk", 100, "exact_topk's k (roar's N_q).")
 flags.DEFINE_integer("neighbours", 64, "nearest_keys' count (retrieval's CONNECT_CANDIDATES).")
-flags.DEFINE_list("block_n", ["8192", "16384", "65536"], "Key chunk sizes compared.")
-flags.DEFINE_integer("block_q", 1024, "Queries per block.")
+flags.DEFINE_list("block_n", ["16384", "65536", "0"], "Key chunk sizes compared (0: the ops' default, every key).")
+flags.DEFINE_integer("block_q", 0, "Queries per block (0: the ops' default, which keeps a block's scores "
+                     "within 2^28 floats).")
 flags.DEFINE_integer("repeats", 3, "Timed calls per setting (after one warm-up).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_topk", "Results file name.")
@@ -58,24 +59,26 @@ def main(argv):
     blocks = [int(b) for b in FLAGS.block_n]
   except ValueError:
     raise app.UsageError(f"--block_n must be integers: {FLAGS.block_n}") from None
-  if min(blocks) < 1:
-    raise app.UsageError(f"--block_n values must be >= 1: {FLAGS.block_n}")
+  if min(blocks) < 0:
+    raise app.UsageError(f"--block_n values must be >= 0: {FLAGS.block_n}")
   H, Hq, N, D = FLAGS.kv_heads, FLAGS.q_heads, FLAGS.keys, FLAGS.head_dim
   keys = jnp.asarray(np.stack([clustered(N, D, seed=h) for h in range(H)]))  # [H, N, D]
   queries = jnp.asarray(np.stack([clustered(FLAGS.train_queries, D, seed=100 + h, shift=0.5, spread=1.5)
                                   for h in range(Hq)]))  # [Hq, M, D]
   cases = {
-      "nearest_keys": lambda bn: ops.nearest_keys(keys, FLAGS.neighbours, block_q=FLAGS.block_q, block_n=bn),
-      "exact_topk": lambda bn: ops.exact_topk(queries, keys, FLAGS.train_topk, block_q=FLAGS.block_q,
+      "nearest_keys": lambda bn: ops.nearest_keys(keys, FLAGS.neighbours, block_q=FLAGS.block_q or None,
+                                                  block_n=bn),
+      "exact_topk": lambda bn: ops.exact_topk(queries, keys, FLAGS.train_topk, block_q=FLAGS.block_q or None,
                                               block_n=bn)[1],
   }
   rows = []
   for op, call in cases.items():
     first = None
     for bn in blocks:
-      seconds, ids = timed(lambda: call(bn))
+      seconds, ids = timed(lambda: call(bn or None))
       first = ids if first is None else first
-      rows.append(dict(op=op, keys=N, kv_heads=H, q_heads=Hq, head_dim=D, block_q=FLAGS.block_q, block_n=bn,
+      rows.append(dict(op=op, keys=N, kv_heads=H, q_heads=Hq, head_dim=D, block_q=FLAGS.block_q or "default",
+                       block_n=bn or "all",
                        k=FLAGS.neighbours if op == "nearest_keys" else FLAGS.train_topk,
                        seconds=round(seconds, 4), same_ids=bool(np.array_equal(ids, first))))
       print(rows[-1], flush=True)

@@ -123,9 +123,10 @@ def default_reserved_cores(cores: int) -> int:
   """Cores kept free of worker threads for the thread launching the device's kernels: none, on
   any number of cores. Reserving 2 of the H200 host's 16 took retrieval's jitted step at 128K
   from 6.7-7.0 to 4.5-4.9 ms (full: 4.3-4.5), but its lag-2 exchange, then the critical path, had
-  14 cores and the token took 10.5 / 11.6 ms against 10.0 / 10.8 with none (two runs; freekv lag 2:
-  7.8 against 7.3, one run; experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md,
-  _exchange_cores.md). Measure again once the exchange is shorter than the step."""
+  14 cores and the token took 10.5 / 11.6 / 10.1 ms against 10.0 / 10.8 / 10.3 with none (three
+  runs: within noise; freekv lag 2: 7.8 against 7.3, one run;
+  experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md, _exchange_cores.md,
+  _default_r0.md). Measure again once the exchange is shorter than the step."""
   del cores
   return 0
 

@@ -11,8 +11,13 @@ cut into tiles, the k tiles with the largest maxima are kept, and the top-k of t
 scores is exact. A GPU top-k with k in the tens sorts its rows, and a 128K roar build's
 key neighbours (ops.nearest_keys, 131,072 rows of 131,072 scores a head) spent 144 of
 its 186 s of preparation there on the H200 with whole chunks sorted
-(experiments/results/bench_build_smollm2shapes_128k_h200.md); the two stages sort
-chunk / tile + k * tile values a row instead of chunk.
+(experiments/results/bench_build_smollm2shapes_128k_h200.md, 33.6 s with chunks of 16K
+keys). The two stages sort chunk / tile + k * tile values a row instead of chunk, ~2 N sqrt(k /
+chunk) over a row of N keys, so the whole row is one chunk by default: a layer's neighbours at
+128K took 0.72 / 0.52 / 0.46 s with chunks of 16K / 64K / 128K keys on the H200, and its
+training top-100 0.073 / 0.053 / 0.045 s (experiments/results/bench_topk_smollm2shapes_128k_h200.md,
+blocks of 1,024 queries). Query blocks shrink instead, so a block's scores stay within
+_SCORE_BLOCK floats.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from jax import lax
 from ops import _checks
 
 _NEG_INF = float("-inf")
+_SCORE_BLOCK = 1 << 28  # float32 scores of one (query block, key chunk): 1 GiB
 
 
 def _tile_width(n: int, k: int) -> int:
@@ -158,8 +164,9 @@ def exact_topk(
     keys: [kv_heads, num_keys, head_dim].
     k: number of results (python int >= 0).
     key_lengths: [kv_heads] (or scalar) int32: only keys [0, key_lengths) count.
-    block_q: queries per block (default 1024).
-    block_n: keys per chunk (default 16384).
+    block_q: queries per block (default: up to 1024, so that q_heads * block_q * block_n
+      scores stay within 2^28).
+    block_n: keys per chunk (default: all of them).
 
   Returns:
     scores: [q_heads, num_queries, k] float32 inner products q·key, descending.
@@ -178,8 +185,9 @@ def exact_topk(
   keff = min(k, num_keys)
   queries = queries.astype(jnp.promote_types(queries.dtype, keys.dtype))
   keys = keys.astype(queries.dtype)
-  scores, ids = _exact_topk(queries, keys, key_lengths, k=keff,
-                            block_q=block_q or 1024, block_n=block_n or 16384)
+  block_n = block_n or num_keys
+  block_q = block_q or max(1, min(1024, _SCORE_BLOCK // (q_heads * block_n)))
+  scores, ids = _exact_topk(queries, keys, key_lengths, k=keff, block_q=block_q, block_n=block_n)
   return _pad_k(scores, ids, k)
 
 
