@@ -56,6 +56,8 @@ flags.DEFINE_enum("roar_heads", "query", ["query", "kv"], "roar: one graph per q
 flags.DEFINE_list("schedules", ["per_head", "queued"], "Schedules timed, in this order.")
 flags.DEFINE_boolean("connect_candidates", True, "roar: link each key through its nearest keys, computed beforehand "
                      "as retrieval's prefill does (ops.nearest_keys), instead of searching for them.")
+flags.DEFINE_integer("max_candidate_keys", None, "Overrides kvjax.policies.retrieval.MAX_CANDIDATE_KEYS, the "
+                     "longest head given link candidates (past it the builds search for links).")
 flags.DEFINE_boolean("candidates_on_cpu", False, "Compute those candidates on a CPU backend too (the prefill does not).")
 flags.DEFINE_string("capture", None, "experiments/recall.py .npz of real vectors (default: synthetic).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
@@ -103,6 +105,10 @@ def main(argv):
   t = time.perf_counter()
   capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
   retrieval.NEIGHBOURS_ON_CPU = FLAGS.candidates_on_cpu
+  if FLAGS.max_candidate_keys is not None:
+    if FLAGS.max_candidate_keys < 0:
+      raise app.UsageError(f"--max_candidate_keys={FLAGS.max_candidate_keys} must be >= 0")
+    retrieval.MAX_CANDIDATE_KEYS = FLAGS.max_candidate_keys
   layers, candidates_s = [], 0.0
   for layer in range(FLAGS.layers):
     keys, queries = layer_vectors(layer, capture)

@@ -103,9 +103,12 @@ def _train_topk(
 # searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
 # vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
 CONNECT_CANDIDATES = 64
-# The exact neighbours cost 2 N^2 (D + 1) flops a KV head in f32: ~4e12 at 128K keys and
-# D = 128, ~1e15 for 8B shapes' 256 KV heads (an estimate of 10-20 s on an H200, not measured),
-# 16x that at 512K. Longer heads are built by searching, as RoarGraph does.
+# The exact neighbours cost 2 N^2 (D + 1) flops a KV head in f32 and a top-k over N scores a key:
+# 0.15 s a head at 128K keys and D = 64 on the H200 (experiments/results/bench_topk_smollm2shapes_
+# 128k_h200.md), so ~0.6 s at 256K and ~2.4 s at 512K (N^2, not measured), against a search-built
+# graph's ~6.6 core-seconds at 128K (dev box, bench_build) that grows about as N log N. Longer
+# heads are built by searching, as RoarGraph does; `bench_build --max_candidate_keys` measures
+# where the crossover lies.
 MAX_CANDIDATE_KEYS = 131072
 # On a CPU backend the neighbours take the cores the builds need, and cost more than the searches
 # they replace (SmolLM2, 6K-token prompt, 2 cores: prefill and index 165 s with them, 127-129 s
