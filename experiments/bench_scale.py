@@ -64,6 +64,8 @@ POLICIES = {
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
     "retrieval_step_lag2_kv_spec_idx16": ("retrieval", _STEP_SPEC | {"index_threads": 16}),
     "retrieval_step_lag2_kv_spec_idx6": ("retrieval", _STEP_SPEC | {"index_threads": 6}),
+    # 12 of 16: the exchange thread and its 3 gather threads find idle cores beside the indexing
+    "retrieval_step_lag2_kv_spec_idx12": ("retrieval", _STEP_SPEC | {"index_threads": 12}),
     # cores reserved for the thread launching the step: none (the default since 2026-12-03; the
     # exchange then runs at background_nice), 2 (the H200 host's default that day) and 4
     "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
