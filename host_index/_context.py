@@ -157,6 +157,11 @@ class HostContext:
         self.store._check(seq, layer)
         return min((len(ix) for ix in self._ix[seq][layer]), default=0)
 
+    def indexed_counts(self) -> np.ndarray:
+        """[num_seqs, num_layers] int64: `indexed` of every (seq, layer), in one call."""
+        return np.array([[min((ix._c.n for ix in per_layer), default=0) for per_layer in per_seq]
+                         for per_seq in self._ix], np.int64).reshape(self.num_seqs, self.num_layers)
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the store's K/V arrays plus every index structure."""

@@ -104,6 +104,12 @@ class KVStore:
         self._check(seq, layer)
         return int(self._len[seq, layer])
 
+    def lengths(self) -> np.ndarray:
+        """[num_seqs, num_layers] int64: tokens stored for every (seq, layer), a copy (one call
+        instead of a `length` call per pair: decode's per-step bookkeeping reads them all)."""
+        with self._lock:
+            return self._len.copy()
+
     def capacity(self, seq: int, layer: int) -> int:
         self._check(seq, layer)
         return self._k[seq][layer].shape[1]

@@ -217,8 +217,8 @@ class PrefetchRuntime(HostRuntime):
       self._last_found = np.full((L, B, Hq, self.topk), -1, np.int64)
       self._seen = np.zeros((L, B, Hq), np.int64)
       self._searched_at = np.zeros((L, B, Hq), np.int64)
-    stored = np.array([[self.context.store.length(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
-    indexed = np.array([[self.context.indexed(b, l) for b in range(B)] for l in layers], np.int64).reshape(-1, B)
+    stored = self.context.store.lengths()[:, layers].T  # [T, B]
+    indexed = self.context.indexed_counts()[:, layers].T
     self._exchanges += 1
     searched = self._heads_to_search(layers, queries, stored, first)  # [T, B, Hq] bool
     found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef, heads=searched,
@@ -273,7 +273,7 @@ class PrefetchRuntime(HostRuntime):
     rows, seqs = np.nonzero(evicted_pos[layers] >= 0)
     pair_layers = np.asarray(layers, np.int64)[rows]
     starts = evicted_pos[pair_layers, seqs].astype(np.int64) - self.sinks
-    stored = np.array([self.context.store.length(int(b), int(l)) for b, l in zip(seqs, pair_layers)], np.int64)
+    stored = self.context.store.lengths()[seqs, pair_layers]
     self.stats.inserted_tokens += self.context.append_tokens(seqs, pair_layers, starts, evicted_k[pair_layers, seqs],
                                                              evicted_v[pair_layers, seqs])
     for b, layer in zip(seqs[starts == stored], pair_layers[starts == stored]):
@@ -332,8 +332,8 @@ class PrefetchRuntime(HostRuntime):
   def _index_overflow(self, layers, batch: int) -> None:
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not
     fit the tail slots (normally never: one token per step is indexed in the background)."""
-    late = [(b, l) for l in layers for b in range(batch)
-            if self.context.store.length(b, l) - self.context.indexed(b, l) > self.tail_slots]
+    behind = (self.context.store.lengths() - self.context.indexed_counts())[:batch, layers]  # [B, T]
+    late = [(int(b), int(layers[t])) for t, b in zip(*np.nonzero(behind.T > self.tail_slots))]
     if late:
       for pair in late:
         q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]

@@ -366,6 +366,24 @@ def test_index_stored_equals_insert_many(kind):
     assert state(a) == state(b)
 
 
+@pytest.mark.parametrize("kind", ["flat", "roar"])
+def test_lengths_and_indexed_counts_read_every_pair_at_once(kind):
+    """store.lengths() / indexed_counts() [S, L] equal length / indexed pair by pair, with pairs
+    stored but not yet indexed."""
+    ctx = make(kind, n=60)
+    k, v, q = new_tokens(1, 3, seed=8)
+    ctx.append(1, 0, 60, k[0], v[0])
+    ctx.append(0, 1, 60, k[0, :, :2], v[0, :, :2])
+    ctx.index_stored([0], [1], queries=q[:, :, :2])
+    lengths, indexed = ctx.store.lengths(), ctx.indexed_counts()
+    assert lengths.shape == indexed.shape == (S, L) and lengths.dtype == indexed.dtype == np.int64
+    assert lengths.tolist() == [[ctx.store.length(s, l) for l in range(L)] for s in range(S)]
+    assert indexed.tolist() == [[ctx.indexed(s, l) for l in range(L)] for s in range(S)]
+    assert lengths[1, 0] == 63 and indexed[1, 0] == 60 and lengths[0, 1] == indexed[0, 1] == 62
+    lengths[0, 0] = -5  # a copy: the store is unchanged
+    assert ctx.store.length(0, 0) == 60
+
+
 def test_index_stored_bad_input():
     ctx = make("roar", n=50)
     k, v, q = new_tokens(1, 2, seed=7)
