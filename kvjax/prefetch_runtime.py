@@ -91,6 +91,15 @@ def successor_ids(found, stored, count: int, age=None):
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
 
 
+def layer_rows(layers) -> slice | np.ndarray:
+  """`layers` (ints, ascending) as an index of an [L, ...] array's first axis: a slice where they
+  are consecutive (reads are views and writes basic assignments, not fancy-index copies; the
+  exchange indexes its per-layer state a dozen times a step), else an int64 array."""
+  if len(layers) and list(layers) == list(range(layers[0], layers[0] + len(layers))):
+    return slice(layers[0], layers[0] + len(layers))
+  return np.asarray(layers, np.int64)
+
+
 def gather_threads(cores: int) -> int:
   """OpenMP threads of the exchange's slot assignment and gather on `cores` worker cores: a few.
 
@@ -217,18 +226,19 @@ class PrefetchRuntime(HostRuntime):
       self._last_found = np.full((L, B, Hq, self.topk), -1, np.int64)
       self._seen = np.zeros((L, B, Hq), np.int64)
       self._searched_at = np.zeros((L, B, Hq), np.int64)
-    stored = self.context.store.lengths()[:, layers].T  # [T, B]
-    indexed = self.context.indexed_counts()[:, layers].T
+    rows = layer_rows(layers)  # indexes [L, ...] arrays: a slice (views) where the layers are consecutive
+    stored = self.context.store.lengths()[:, rows].T  # [T, B]
+    indexed = self.context.indexed_counts()[:, rows].T
     self._exchanges += 1
-    searched = self._heads_to_search(layers, queries, stored, first)  # [T, B, Hq] bool
-    found, scanned = self.context.search_layers(layers, queries[layers], k=self.topk, ef=self.ef, heads=searched,
+    searched = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool
+    found, scanned = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef, heads=searched,
                                                 threads=self.search_threads, grouped=self.grouped_search)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
-    found = np.where(searched[..., None], found, self._last_found[layers])
-    self._last_query[layers] = np.where(searched[..., None], queries[layers], self._last_query[layers])
-    self._last_found[layers] = found
-    self._seen[layers] = np.where(searched, indexed[..., None], self._seen[layers])
-    self._searched_at[layers] = np.where(searched, self._exchanges, self._searched_at[layers])
+    found = np.where(searched[..., None], found, self._last_found[rows])
+    self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])
+    self._last_found[rows] = found
+    self._seen[rows] = np.where(searched, indexed[..., None], self._seen[rows])
+    self._searched_at[rows] = np.where(searched, self._exchanges, self._searched_at[rows])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
     # The indexes are not read again until the next exchange (which waits for this job first): the
@@ -242,12 +252,12 @@ class PrefetchRuntime(HostRuntime):
     # repeated id one slot.
     wanted = self.slot_ids.copy()
     retrieved_end = self.topk + self.tail_slots
-    wanted[layers, :, :, :self.topk] = found
-    wanted[layers, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[layers], stored)
+    wanted[rows, :, :, :self.topk] = found
+    wanted[rows, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[rows], stored)
     if self.successors:
-      age = self._exchanges - self._searched_at[layers]  # 0 for the heads that searched now
+      age = self._exchanges - self._searched_at[rows]  # 0 for the heads that searched now
       sources = found[..., :self.successor_sources]
-      wanted[layers, :, :, retrieved_end:] = successor_ids(sources, stored, self.successors, age)
+      wanted[rows, :, :, retrieved_end:] = successor_ids(sources, stored, self.successors, age)
     self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result
@@ -299,7 +309,7 @@ class PrefetchRuntime(HostRuntime):
     self.stats.shipped_rows += dest.size
     return update
 
-  def _heads_to_search(self, layers, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B] -> [T, B, Hq]
+  def _heads_to_search(self, rows, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B] -> [T, B, Hq]
     """Which (layer, seq, query head)s search at this step: all of them, or with `speculative`
     the KV-head groups whose mean cosine between this query and the query of their latest search
     fell below `tau`, plus a rotating 1 / (tail_slots // 2) of the groups. A group that keeps its
@@ -307,15 +317,15 @@ class PrefetchRuntime(HostRuntime):
     searches each group before its tail fills, spread evenly over the steps (refreshing every
     group when its tail filled searched them all in the same step, all of them having started
     together). Counted in corrected_groups / speculated_groups."""
-    T, B, Hq = len(layers), queries.shape[1], queries.shape[2]
+    T, B, Hq = stored.shape[0], queries.shape[1], queries.shape[2]
     if first or not self.speculative:
       return np.ones((T, B, Hq), bool)
     G = self.context.group
-    drift = group_mean_cosine(queries[layers].reshape(T * B, Hq, -1), self._last_query[layers].reshape(T * B, Hq, -1),
+    drift = group_mean_cosine(queries[rows].reshape(T * B, Hq, -1), self._last_query[rows].reshape(T * B, Hq, -1),
                                Hq // G).reshape(T, B, Hq // G) < self.tau
     period = max(1, self.tail_slots // 2)
     due = (np.arange(T * B * (Hq // G)).reshape(T, B, Hq // G) + self._exchanges) % period == 0
-    unseen = (stored[..., None] - self._seen[layers]).reshape(T, B, Hq // G, G).max(axis=-1)
+    unseen = (stored[..., None] - self._seen[rows]).reshape(T, B, Hq // G, G).max(axis=-1)
     redo = drift | due | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
     self.stats.corrected_groups += int(redo.sum())
     self.stats.speculated_groups += int((~redo).sum())

@@ -15,7 +15,7 @@ import kvjax
 from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime, successor_ids
+from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
@@ -47,6 +47,22 @@ def test_equals_full_with_dense_and_local_layers(lag):
   full = run(model, prompt)
   sparse = run(model, prompt, index="flat", topk=500, lag=lag, **PER_STEP)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_equals_full_with_host_layers_around_a_dense_one(lag):
+  """Host layers 0 and 2 around dense layer 1: the exchange indexes its per-layer state with an
+  array rather than a slice (prefetch_runtime.layer_rows); speculative, so the reuse bookkeeping
+  takes that path too."""
+  assert layer_rows([1, 2, 3]) == slice(1, 4)
+  np.testing.assert_array_equal(layer_rows([0, 2]), [0, 2])
+  model = tiny_model("llama", num_layers=3)
+  prompts = [random_prompt(53), random_prompt(21, seed=5)]
+  full = run(model, prompts)
+  sparse = run(model, prompts, index="flat", topk=500, lag=lag, speculative=True, tau=0.0, tail_slots=8,
+               dense_layers=(1,), **PER_STEP)
+  np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
+  assert sparse.policy_stats["speculated_groups"] > 0
 
 
 @pytest.mark.parametrize("lag", [1, 2])
