@@ -71,8 +71,6 @@ POLICIES = {
     "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
     "retrieval_step_lag2_kv_spec_r2": ("retrieval", _STEP_SPEC | {"reserved_cores": 2}),
     "retrieval_step_lag2_kv_spec_r4": ("retrieval", _STEP_SPEC | {"reserved_cores": 4}),
-    # the query heads of a KV head search its graph together (grouped_search; off by default)
-    "retrieval_step_lag2_kv_spec_grouped": ("retrieval", _STEP_SPEC | {"grouped_search": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

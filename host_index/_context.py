@@ -155,12 +155,12 @@ class HostContext:
     def indexed(self, seq: int, layer: int) -> int:
         """Tokens of (seq, layer) covered by its indexes (0 for raw16, which has none)."""
         self.store._check(seq, layer)
-        return min((len(ix) for ix in self._ix[seq][layer]), default=0)
+        return _covered(self._ix[seq][layer])
 
     def indexed_counts(self) -> np.ndarray:
         """[num_seqs, num_layers] int64: `indexed` of every (seq, layer), in one call."""
-        return np.array([[min((ix._c.n for ix in per_layer), default=0) for per_layer in per_seq]
-                         for per_seq in self._ix], np.int64).reshape(self.num_seqs, self.num_layers)
+        return np.array([[_covered(per_layer) for per_layer in per_seq] for per_seq in self._ix],
+                        np.int64).reshape(self.num_seqs, self.num_layers)
 
     @property
     def nbytes(self) -> int:
@@ -514,12 +514,12 @@ class HostContext:
         return q, seqs, [self.store.buffers(s, layer) for s in seqs]
 
     def search(self, layer: int, queries, *, k: int, ef: int | None = None, heads=None,
-               seqs=None, threads: int | None = None, grouped: bool = False):
+               seqs=None, threads: int | None = None):
         """Top-k store ids of one layer for all (seq, query head), in one C call.
 
         The search half of `attend`: (b, h) gets exactly what
         `index(seqs[b], layer, h if per_q_head else h // G).search(queries[b, h], k, ef=ef)`
-        returns (per_q_head: roar with roar_heads="query"), unless `grouped`.
+        returns (per_q_head: roar with roar_heads="query").
 
         Args:
             layer: the layer.
@@ -530,12 +530,6 @@ class HostContext:
                 the others get ids -1 and scanned 0.
             seqs: [B] sequence ids (default 0..B-1).
             threads: OpenMP threads (default: all; at most one per searched head).
-            grouped: graph and roar indexes per KV head (not per_q_head): the searched
-                query heads of a KV head walk its graph together, each node reached scored
-                for all of them while its row is in cache, each head still expanding its own
-                candidates until its own beam stops improving (a head can only gain nodes
-                from the others; results differ from the per-head search). Each head's
-                scanned is then its share of the distinct rows the group scored.
 
         Returns:
             ids [B, Hq, k] int64 (best first, -1 padded), scanned [B, Hq] int64.
@@ -550,13 +544,11 @@ class HostContext:
                 raise ValueError(f"heads {mask.shape} {mask.dtype} must be a bool "
                                  f"[{B}, {self.num_q_heads}] mask")
             mask = np.ascontiguousarray(mask)
-        return self._search_rows([(s, layer) for s in seqs], q, k, ef, mask, threads, grouped)
+        return self._search_rows([(s, layer) for s in seqs], q, k, ef, mask, threads)
 
-    def _search_rows(self, pairs, q, k, ef, mask, threads, grouped=False):
+    def _search_rows(self, pairs, q, k, ef, mask, threads):
         """One C search call: query row i [Hq, D] of q searches the indexes of (seq, layer)
         pairs[i] -> ids [len(pairs), Hq, k], scanned [len(pairs), Hq]."""
-        if not isinstance(grouped, (bool, np.bool_)):
-            raise TypeError(f"grouped={grouped!r} must be a bool")
         k = _dtypes.positive_int(k, "k", allow_zero=True)
         ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
@@ -567,11 +559,11 @@ class HostContext:
         _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
                      tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
                      self.head_dim, q, len(pairs), self.num_q_heads, self.per_q_head, k, ef, mask,
-                     bool(grouped), ids, scanned, nthreads)
+                     ids, scanned, nthreads)
         return ids, scanned
 
     def search_layers(self, layers, queries, *, k: int, ef: int | None = None, heads=None,
-                      threads: int | None = None, grouped: bool = False):
+                      threads: int | None = None):
         """`search` of several layers for every sequence, in one C call.
 
         One team of threads takes all len(layers) * B * Hq searches at once, so
@@ -582,7 +574,7 @@ class HostContext:
             layers: [T] distinct layer ids.
             queries: [T, B, Hq, D] float32/float16/bfloat16 (post-RoPE), finite;
                 B = num_seqs.
-            k, ef, threads, grouped: as in `search`.
+            k, ef, threads: as in `search`.
             heads: [T, B, Hq] bool, the (layer, seq, head)s to search (default all);
                 the others get ids -1 and scanned 0.
 
@@ -614,7 +606,7 @@ class HostContext:
         pairs = [(s, l) for l in layers for s in range(B)]
         for s, l in pairs:
             self.store._check(s, l)
-        ids, scanned = self._search_rows(pairs, q, k, ef, mask, threads, grouped)
+        ids, scanned = self._search_rows(pairs, q, k, ef, mask, threads)
         return ids.reshape(T, B, self.num_q_heads, k), scanned.reshape(T, B, self.num_q_heads)
 
     def attend_ids(self, layer: int, queries, ids, *, scale: float | None = None, seqs=None,
@@ -712,3 +704,8 @@ def group_rows(a, g: int, G: int) -> np.ndarray:
         return a[g]
     part = a[g * G:(g + 1) * G]  # [G, M, X]
     return np.ascontiguousarray(part.transpose(1, 0, 2)).reshape(-1, part.shape[2])
+
+
+def _covered(indexes) -> int:
+    """Tokens every one of a (seq, layer)'s indexes covers (0 without indexes: raw16)."""
+    return min((len(ix) for ix in indexes), default=0)

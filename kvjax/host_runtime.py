@@ -187,13 +187,11 @@ class HostRuntime:
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
   worker_cores: the cores the background threads run on (as `worker_cores` returns them; None: any).
-  grouped_search: the query heads of a KV head search its graph together (HostContext.search's
-    `grouped`), where the indexes are graphs per KV head (graph, roar with roar_heads="kv").
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, worker_cores: frozenset[int] | None = None, grouped_search: bool = False):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -204,7 +202,6 @@ class HostRuntime:
     self.critical_threads = max(1, available_cores() - self.background_threads)
     self.background_nice = background_nice
     self.worker_cores = worker_cores
-    self.grouped_search = bool(grouped_search) and context.kind in ("graph", "roar") and not context.per_q_head
     self.stats = HostStats()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
@@ -326,7 +323,7 @@ class HostRuntime:
     ([B, Hq] bool, default all; the others get -1 / 0): one GIL-free C call, on the critical
     path's cores unless `threads` says otherwise."""
     return self.context.search(layer, queries, k=self.topk, ef=self.ef, heads=heads,
-                               threads=threads or self.critical_threads, grouped=self.grouped_search)
+                               threads=threads or self.critical_threads)
 
   def _speculative_layer(self, layer: int, queries, unindexed, background):
     """background: the (ids, scanned) of the search launched with the previous step's query,

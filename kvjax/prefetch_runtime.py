@@ -232,7 +232,7 @@ class PrefetchRuntime(HostRuntime):
     self._exchanges += 1
     searched = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool
     found, scanned = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef, heads=searched,
-                                                threads=self.search_threads, grouped=self.grouped_search)  # [T, B, Hq, k]
+                                                threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])
     self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])

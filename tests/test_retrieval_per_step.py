@@ -25,9 +25,7 @@ PER_STEP = dict(SMALL, bridge="per_step")
 
 @pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
                                           ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2}),
-                                          ("flat", {"lag": 2, "successors": 2}),
-                                          ("roar", {"roar_heads": "kv", "lag": 2, "grouped_search": True}),
-                                          ("graph", {"grouped_search": True, "speculative": True})])
+                                          ("flat", {"lag": 2, "successors": 2})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -340,7 +338,6 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(bridge="per_step", successor_sources=0), "successor_sources=0"),
     (dict(bridge="per_step", index_threads=0), "index_threads=0"),
     (dict(index_threads=4), "index_threads=4"),
-    (dict(grouped_search="yes"), "grouped_search='yes'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises((ValueError, TypeError), match=message):

@@ -97,84 +97,33 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
   return err;
 }
 
-/* The active heads of group task t = b * Hkv + kvh (one KV head's index, G query heads): one
- * grouped search (hi_index_search_group, whose scanned shares keep sums counts of rows). */
-static int search_group_task(hi_index_t *const *idx, const hi_keys_t *keys, int Hq, int Hkv,
-                             const float *q, int k, int ef, const uint8_t *mask, int64_t t,
-                             int64_t *ids_out, int64_t *scanned, int *heads, float *qbuf,
-                             int64_t *ibuf, float *sbuf, int64_t *cbuf, hi_ws_t *ws) {
-  const int G = Hq / Hkv, dim = keys[0].dim;
-  const int64_t b = t / Hkv, first = b * Hq + (t % Hkv) * G; /* the group's first head */
-  int na = 0;
-  for (int g = 0; g < G; g++) {
-    const int64_t h = first + g;
-    if (!mask || mask[h]) {
-      heads[na] = g;
-      memcpy(qbuf + (int64_t)na * dim, q + h * dim, (size_t)dim * sizeof(float));
-      na++;
-    } else {
-      for (int j = 0; j < k; j++) ids_out[h * k + j] = -1;
-      scanned[h] = 0;
-    }
-  }
-  if (na == 0) return HI_OK;
-  hi_index_t *ix = idx[t];
-  pthread_rwlock_rdlock(&ix->lock);
-  const int err = hi_index_search_group(ix, &keys[t], qbuf, na, k, ef, ibuf, sbuf, cbuf, ws);
-  pthread_rwlock_unlock(&ix->lock);
-  if (err) return err;
-  for (int a = 0; a < na; a++) {
-    const int64_t h = first + heads[a];
-    memcpy(ids_out + h * k, ibuf + (int64_t)a * k, (size_t)k * sizeof(int64_t));
-    scanned[h] = cbuf[a];
-  }
-  return HI_OK;
-}
-
 int hi_search_layer(hi_index_t *const *idx, const hi_keys_t *keys, int B, int Hq, int Hkv,
-                    int per_q, const float *q, int k, int ef, const uint8_t *mask, int grouped,
+                    int per_q, const float *q, int k, int ef, const uint8_t *mask,
                     int64_t *ids_out, int64_t *scanned, int threads) {
   const int64_t T = (int64_t)B * Hq;
   int64_t active = 0;
   for (int64_t t = 0; t < T; t++) active += !mask || mask[t];
   int err = HI_OK;
-  /* grouped: a task per KV head's index, searching its active heads together; else per head */
-  const int G = grouped && !per_q && Hq / Hkv > 1 ? Hq / Hkv : 1, dim = keys[0].dim;
-  const int64_t tasks = T / G, kk = k > 0 ? k : 1;
-#pragma omp parallel num_threads(hi_team(threads, G > 1 ? tasks : active, active * HI_MIN_WORK))
+#pragma omp parallel num_threads(hi_team(threads, active, active * HI_MIN_WORK))
   {
     hi_ws_t ws = {0};
-    int *heads = malloc((size_t)G * sizeof(int));
-    float *qbuf = malloc((size_t)G * dim * sizeof(float));
-    int64_t *ibuf = malloc((size_t)(G * kk) * sizeof(int64_t));
-    float *sbuf = malloc((size_t)(G * kk) * sizeof(float));
-    int64_t *cbuf = malloc((size_t)G * sizeof(int64_t));
-    int lerr = heads && qbuf && ibuf && sbuf && cbuf ? HI_OK : HI_ENOMEM;
+    float *sc = malloc((size_t)(k > 0 ? k : 1) * sizeof(float));
+    int lerr = sc ? HI_OK : HI_ENOMEM;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; t++) {
-      if (G > 1) {
-        if (!lerr)
-          lerr = search_group_task(idx, keys, Hq, Hkv, q, k, ef, mask, t, ids_out, scanned, heads,
-                                   qbuf, ibuf, sbuf, cbuf, &ws);
-        continue;
-      }
+    for (int64_t t = 0; t < T; t++) {
       int64_t *ids = ids_out + t * k;
       if (lerr || (mask && !mask[t])) {
         for (int j = 0; j < k; j++) ids[j] = -1;
         scanned[t] = 0;
         continue;
       }
-      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sbuf, &scanned[t], &ws);
+      lerr = search_task(idx, keys, Hq, Hkv, per_q, q, k, ef, t, ids, sc, &scanned[t], &ws);
     }
     if (lerr) {
 #pragma omp atomic write
       err = lerr;
     }
-    free(heads);
-    free(qbuf);
-    free(ibuf);
-    free(sbuf);
-    free(cbuf);
+    free(sc);
     hi_ws_free(&ws);
   }
   return err;

@@ -19,11 +19,9 @@ int hi_attend(hi_index_t *const *idx, const hi_keys_t *keys, const hi_keys_t *va
 
 /* The search half of hi_attend: ids [B, Hq, k] (best first, -1 padded) and
  * scanned [B, Hq]. mask [B, Hq] (nonzero = search) or NULL for all; a masked
- * out head gets ids -1 and scanned 0. grouped (indexes per KV head only): the
- * active query heads of a KV head search together (hi_index_search_group), one
- * task per KV head; each reports an equal share of the group's rows scored. */
+ * out head gets ids -1 and scanned 0. */
 int hi_search_layer(hi_index_t *const *idx, const hi_keys_t *keys, int B, int Hq, int Hkv,
-                    int per_q, const float *q, int k, int ef, const uint8_t *mask, int grouped,
+                    int per_q, const float *q, int k, int ef, const uint8_t *mask,
                     int64_t *ids_out, int64_t *scanned, int threads);
 
 /* The attention half of hi_attend over given ids [B, Hq, n]: for each (b, h),

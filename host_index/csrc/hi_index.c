@@ -201,41 +201,6 @@ int hi_index_search(const hi_index_t *ix, const hi_keys_t *keys, const float *q,
   return HI_OK;
 }
 
-int hi_index_search_group(const hi_index_t *ix, const hi_keys_t *keys, const float *qs, int G,
-                          int k, int ef, int64_t *ids, float *scores, int64_t *scanned,
-                          hi_ws_t *ws) {
-  const int graph = ix->kind == HI_GRAPH || ix->kind == HI_ROAR;
-  if (ef <= 0) ef = 64 > k ? 64 : k; /* hi_graph_search's default */
-  if (!graph || G < 2 || keys->dtype == HI_RAW16) {
-    for (int g = 0; g < G; g++) {
-      const int err = hi_index_search(ix, keys, qs + (int64_t)g * ix->dim, k, ef, ids + (int64_t)g * k,
-                                      scores + (int64_t)g * k, &scanned[g], ws);
-      if (err) return err;
-    }
-    return HI_OK;
-  }
-  const int64_t n = ix->n < keys->nrows ? ix->n : keys->nrows; /* as hi_index_search */
-  const int64_t W = ef > k ? ef : k;
-  hi_pair *tops = malloc((size_t)G * (size_t)W * sizeof(hi_pair));
-  int64_t *ntop = calloc((size_t)G, sizeof(int64_t));
-  int err = tops && ntop ? HI_OK : HI_ENOMEM;
-  int64_t rows = 0;
-  if (!err && k > 0 && n > 0)
-    err = hi_graph_search_group(ix, n, keys, qs, G, ef, k, ws, tops, ntop, &rows);
-  for (int g = 0; g < G && !err; g++) {
-    scanned[g] = rows / G + (g < rows % G); /* equal shares of the distinct rows scored */
-    hi_pair *top = tops + (int64_t)g * W;
-    hi_maxheap_sort(top, ntop[g]); /* ascending distance = descending score */
-    for (int64_t i = 0; i < k; i++) {
-      ids[(int64_t)g * k + i] = i < ntop[g] ? top[i].id : -1;
-      scores[(int64_t)g * k + i] = i < ntop[g] ? -top[i].d : -INFINITY;
-    }
-  }
-  free(tops);
-  free(ntop);
-  return err;
-}
-
 int hi_flat_search(int64_t n, const hi_keys_t *keys, const float *q, int k, hi_ws_t *ws,
                    int64_t *ntop, int64_t *scanned) {
   enum { BLOCK = 256 };

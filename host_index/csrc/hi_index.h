@@ -124,17 +124,6 @@ int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
                     const float *queries);
 int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const float *q,
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned);
-int hi_graph_search_group(const hi_index_t *ix, int64_t n_nodes, const hi_keys_t *keys,
-                          const float *qs, int G, int ef, int k, hi_ws_t *ws, hi_pair *res,
-                          int64_t *nres, int64_t *scanned);
-
-/* hi_index_search for G queries at once on a graph or roar index (hi_graph_search_group:
- * each node's row is loaded once for all G); other kinds, or G = 1, search query by query.
- * ids/scores [G, k]; scanned [G]: each query's distance computations, or grouped its equal
- * share of the distinct rows scored (the first ones one more where G does not divide them). */
-int hi_index_search_group(const hi_index_t *ix, const hi_keys_t *keys, const float *qs, int G,
-                          int k, int ef, int64_t *ids, float *scores, int64_t *scanned,
-                          hi_ws_t *ws);
 
 /* Exact top-k of many queries over keys 0..n-1, threaded over queries:
  * out [m, k] ids (-1 padded). Used for roar's training neighbours. */

@@ -598,10 +598,10 @@ out:
 static PyObject *py_search(PyObject *mod, PyObject *args) {
   (void)mod;
   PyObject *ixs, *kbs, *caps, *lens, *qo, *mo, *io, *so;
-  int dtype, Hkv, dim, B, Hq, per_q, k, ef, grouped, threads;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!iiiOiipiiOpOOi", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
+  int dtype, Hkv, dim, B, Hq, per_q, k, ef, threads;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!iiiOiipiiOOOi", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
                         &PyTuple_Type, &caps, &PyTuple_Type, &lens, &dtype, &Hkv, &dim, &qo, &B,
-                        &Hq, &per_q, &k, &ef, &mo, &grouped, &io, &so, &threads))
+                        &Hq, &per_q, &k, &ef, &mo, &io, &so, &threads))
     return NULL;
   if (B < 1 || Hkv < 1 || Hq < Hkv || Hq % Hkv || k < 0 || dim < 1 ||
       PyTuple_GET_SIZE(ixs) != (Py_ssize_t)B * (per_q ? Hq : Hkv) ||
@@ -634,8 +634,8 @@ static PyObject *py_search(PyObject *mod, PyObject *args) {
   if (get_buf(so, &bufs[nb], 1, T * 8, "scanned") < 0) goto out;
   int64_t *scn = bufs[nb++].buf;
   int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask, grouped,
-                                               ids, scn, threads);
+  Py_BEGIN_ALLOW_THREADS err = hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask, ids,
+                                               scn, threads);
   Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);

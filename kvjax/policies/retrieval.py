@@ -175,15 +175,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: per_step only: cores the host's worker threads stay off, for the thread that
     launches the step's kernels (default None: none; kvjax.host_runtime.default_reserved_cores
     says why; kvjax.prefetch_runtime.PrefetchRuntime).
-  grouped_search: where the indexes are graphs per KV head (index="graph", or roar with
-    roar_heads="kv"), a KV head's query heads walk its graph together: each key reached is scored
-    for all of them while its row is in cache (host_index.HostContext.search's `grouped`). On real
-    SmolLM2 decode queries at 8K (ef 100) it reached recall@100 0.981 loading 3,575 rows a step
-    against 0.964 and 6,585 head by head, but took 0.38 against 0.28 ms on the 2-core dev box (every
-    row it loads is offered to G beams), and at equal recall per-head search was faster there
-    (experiments/results/bench_group_search_smollm2_8k_cpu.md). Off by default: on the H200 host at
-    128K (synthetic vectors) it was slower too, 4.6 against 3.4 ms of search a step and 12.2 against
-    10.5 ms a token (experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md).
   """
 
   index: str = "roar"
@@ -207,13 +198,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
-  grouped_search: bool = False
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
   # selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores",
-                    "grouped_search")
+                    "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -254,8 +243,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     host_runtime.check_background_nice(self.background_nice)
     if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
       raise ValueError(f"index_threads={self.index_threads} must be >= 1 and applies to bridge='per_step'")
-    if not isinstance(self.grouped_search, bool):
-      raise TypeError(f"grouped_search={self.grouped_search!r} must be a bool")
     if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
@@ -269,8 +256,6 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
-    per_kv_head = self.index == "graph" or (self.index == "roar" and self.roar_heads == "kv")
-    index += ", query heads of a KV head searched together" if self.grouped_search and per_kv_head else ""
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
 
@@ -321,7 +306,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
-                  background_nice=self.background_nice, grouped_search=self.grouped_search)
+                  background_nice=self.background_nice)
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
