@@ -17,7 +17,7 @@ builds) and the overlap with the caller's next layer, not build speed.
 roar trains on `--train_queries` strided queries per query head with their exact top-100 among
 the layer's keys, computed once beforehand as retrieval's prefill does (on the device where
 there is one), and with --connect_candidates (the default) links each key through its 64
-nearest keys, computed beforehand as the prefill does (ops.nearest_keys, up to 131,072 keys a
+nearest keys, computed beforehand as the prefill does (ops.nearest_keys, up to 524,288 keys a
 head; on a CPU backend only with --candidates_on_cpu); without them, or past that length, the
 build searches its graph for every key as RoarGraph does.
 

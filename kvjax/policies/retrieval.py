@@ -103,13 +103,15 @@ def _train_topk(
 # searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
 # vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
 CONNECT_CANDIDATES = 64
-# The exact neighbours cost 2 N^2 (D + 1) flops a KV head in f32 and a top-k over N scores a key:
-# 0.15 s a head at 128K keys and D = 64 on the H200 (experiments/results/bench_topk_smollm2shapes_
-# 128k_h200.md), so ~0.6 s at 256K and ~2.4 s at 512K (N^2, not measured), against a search-built
-# graph's ~6.6 core-seconds at 128K (dev box, bench_build) that grows about as N log N. Longer
-# heads are built by searching, as RoarGraph does; `bench_build --max_candidate_keys` measures
-# where the crossover lies.
-MAX_CANDIDATE_KEYS = 131072
+# The exact neighbours cost 2 N^2 (D + 1) flops a KV head and a top-k over N scores a key; a
+# search-built graph costs ~N log N core-seconds. H200, SmolLM2 shapes, clustered synthetic keys
+# (experiments/results/bench_build_smollm2shapes_{262144,524288}_{candidates,search}.md): the
+# neighbours took 1.3 s a head at 256K and 3.6 s at 512K on the device (their C builds after them
+# 1.7 / 4.0 core-seconds, overlapping the next layer's neighbours), the search-built builds 30 and
+# 67 core-seconds a head. For 90 heads on 16 cores: 256K ~115 s against ~170 s, 512K ~325 s
+# against ~380 s; at 1M the N^2 term loses (~1,300 s against ~850 s, arithmetic). Longer heads
+# are built by searching, as RoarGraph does.
+MAX_CANDIDATE_KEYS = 524288
 # On a CPU backend the neighbours take the cores the builds need, and cost more than the searches
 # they replace (SmolLM2, 6K-token prompt, 2 cores: prefill and index 165 s with them, 127-129 s
 # without): they are computed where an accelerator does the work, unless this is set (tests).
