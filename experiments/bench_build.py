@@ -17,9 +17,9 @@ builds) and the overlap with the caller's next layer, not build speed.
 roar trains on `--train_queries` strided queries per query head with their exact top-100 among
 the layer's keys, computed once beforehand as retrieval's prefill does (on the device where
 there is one), and with --connect_candidates (the default) links each key through its 64
-nearest keys, computed beforehand as the prefill does (ops.nearest_keys, up to 524,288 keys a
-head; on a CPU backend only with --candidates_on_cpu); without them, or past that length, the
-build searches its graph for every key as RoarGraph does.
+nearest keys, computed beforehand as the prefill does (ops.nearest_keys up to 524,288 keys a
+head, ops.block_nearest_keys past it; on a CPU backend only with --candidates_on_cpu); without
+them the build searches its graph for every key as RoarGraph does.
 
 phase_*_s: the builds' own timers (host_index stats), summed over the indexes: training links,
 projection, connectivity (the link search or the candidates' pruning), reachability repair,
@@ -56,8 +56,10 @@ flags.DEFINE_enum("roar_heads", "query", ["query", "kv"], "roar: one graph per q
 flags.DEFINE_list("schedules", ["per_head", "queued"], "Schedules timed, in this order.")
 flags.DEFINE_boolean("connect_candidates", True, "roar: link each key through its nearest keys, computed beforehand "
                      "as retrieval's prefill does (ops.nearest_keys), instead of searching for them.")
-flags.DEFINE_integer("max_candidate_keys", None, "Overrides kvjax.policies.retrieval.MAX_CANDIDATE_KEYS, the "
-                     "longest head given link candidates (past it the builds search for links).")
+flags.DEFINE_integer("max_exact_candidate_keys", None, "Overrides kvjax.policies.retrieval.MAX_EXACT_CANDIDATE_KEYS, "
+                     "the longest head given exact neighbours (past it: block neighbours).")
+flags.DEFINE_integer("neighbour_block", None, "Overrides retrieval.NEIGHBOUR_BLOCK (block neighbours' block size).")
+flags.DEFINE_integer("neighbour_probes", None, "Overrides retrieval.NEIGHBOUR_PROBES (blocks each key ranks).")
 flags.DEFINE_boolean("candidates_on_cpu", False, "Compute those candidates on a CPU backend too (the prefill does not).")
 flags.DEFINE_string("capture", None, "experiments/recall.py .npz of real vectors (default: synthetic).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
@@ -105,10 +107,13 @@ def main(argv):
   t = time.perf_counter()
   capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
   retrieval.NEIGHBOURS_ON_CPU = FLAGS.candidates_on_cpu
-  if FLAGS.max_candidate_keys is not None:
-    if FLAGS.max_candidate_keys < 0:
-      raise app.UsageError(f"--max_candidate_keys={FLAGS.max_candidate_keys} must be >= 0")
-    retrieval.MAX_CANDIDATE_KEYS = FLAGS.max_candidate_keys
+  for flag, name, least in (("max_exact_candidate_keys", "MAX_EXACT_CANDIDATE_KEYS", 0),
+                            ("neighbour_block", "NEIGHBOUR_BLOCK", 1), ("neighbour_probes", "NEIGHBOUR_PROBES", 1)):
+    value = getattr(FLAGS, flag)
+    if value is not None:
+      if value < least:
+        raise app.UsageError(f"--{flag}={value} must be >= {least}")
+      setattr(retrieval, name, value)
   layers, candidates_s = [], 0.0
   for layer in range(FLAGS.layers):
     keys, queries = layer_vectors(layer, capture)
@@ -119,7 +124,8 @@ def main(argv):
     candidates_s += time.perf_counter() - t_cand
     layers.append((keys, queries, topk, cand))
   prepare_s = time.perf_counter() - t
-  with_candidates = layers[0][3] is not None
+  candidates = ("none" if layers[0][3] is None else
+                "exact" if FLAGS.keys <= retrieval.MAX_EXACT_CANDIDATE_KEYS else "blocks")
   rows, reference = [], None
   for schedule in FLAGS.schedules:
     ctx, seconds = build_all(schedule, layers)
@@ -128,11 +134,11 @@ def main(argv):
     reference = ids if reference is None else reference
     builds = FLAGS.layers * ctx.index_heads
     stats = [ctx.index(0, layer, h).stats() for layer in range(FLAGS.layers) for h in range(ctx.index_heads)]
-    phases = {f"phase_{p}_s": round(sum(st[f"t_{p}"] for st in stats), 2)
+    phases = {f"phase_{p}_s": round(sum(st[f"t_{p}"] for st in stats), 4)
               for p in ("topk", "project", "connect", "repair", "cooc")}
     rows.append(dict(schedule=schedule, index=FLAGS.index, roar_heads=FLAGS.roar_heads, layers=FLAGS.layers,
                      q_heads=FLAGS.q_heads, kv_heads=FLAGS.kv_heads, head_dim=FLAGS.head_dim, keys=FLAGS.keys,
-                     train_queries=FLAGS.train_queries, candidates=with_candidates, builds=builds,
+                     train_queries=FLAGS.train_queries, candidates=candidates, builds=builds,
                      host_cores=available_cores(), build_s=round(seconds, 2), s_per_build=round(seconds / builds, 4),
                      **phases,
                      probe_top10_overlap=round(float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(
@@ -142,8 +148,10 @@ def main(argv):
   for row in rows:
     row["speedup_vs_first"] = round(base / row["build_s"], 2)
   vectors = f"capture {FLAGS.capture}" if FLAGS.capture else "SYNTHETIC clustered vectors"
-  links = (f"each key's {retrieval.CONNECT_CANDIDATES} nearest keys as link candidates, computed beforehand as the "
-           f"prefill does ({candidates_s:.1f} s of the preparation)" if with_candidates else
+  found = ("by brute force" if candidates == "exact" else f"among the keys of the {retrieval.NEIGHBOUR_PROBES} "
+           f"nearest blocks of {retrieval.NEIGHBOUR_BLOCK}")
+  links = (f"each key's {retrieval.CONNECT_CANDIDATES} nearest keys ({found}) as link candidates, computed beforehand "
+           f"as the prefill does ({candidates_s:.1f} s of the preparation)" if candidates != "none" else
            "no link candidates: the builds search for each key's links")
   notes = (f"One sequence, every layer indexed; {vectors}; exact training top-{FLAGS.train_topk} computed beforehand "
            f"as retrieval's prefill does; {links} (preparation {prepare_s:.1f} s, not in build_s). "

@@ -8,6 +8,7 @@ twin with the same signature. This package imports nothing from kvjax,
 models or host_index.
 """
 
+from ops.block_neighbours import block_nearest_keys
 from ops.key_scores import key_page_scores
 from ops.key_scores import key_page_scores_reference
 from ops.key_scores import pallas_supported as key_scores_pallas_supported
@@ -26,6 +27,7 @@ from ops.topk import nearest_keys
 merge = merge_partials
 
 __all__ = [
+    "block_nearest_keys",
     "exact_topk",
     "exact_topk_reference",
     "nearest_keys",

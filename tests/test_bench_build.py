@@ -10,14 +10,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("on_cpu, max_keys, candidates", [(False, None, False), (True, None, True),
-                                                          (True, 399, False)])  # 400 keys a head
+@pytest.mark.parametrize("on_cpu, max_keys, candidates", [(False, None, "none"), (True, None, "exact"),
+                                                          (True, 399, "blocks")])  # 400 keys a head
 def test_bench_build_small(tmp_path, on_cpu, max_keys, candidates):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_build.py"), "--layers=2", "--q_heads=4",
          "--kv_heads=2", "--head_dim=16", "--keys=400", "--train_queries=64", "--train_topk=10",
          f"--candidates_on_cpu={on_cpu}", f"--out_dir={tmp_path}", "--name=small"]
-  cmd += [] if max_keys is None else [f"--max_candidate_keys={max_keys}"]
+  cmd += [] if max_keys is None else [f"--max_exact_candidate_keys={max_keys}", "--neighbour_block=64",
+                                      "--neighbour_probes=2"]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = json.loads((tmp_path / "small.json").read_text())["rows"]

@@ -11,6 +11,7 @@ import pytest
 
 import host_index
 import kvjax
+import ops
 from kvjax import host_runtime, prefetch_runtime
 from kvjax.policies import RetrievalAttention, make_policy
 from test_generate import random_prompt, tiny_model
@@ -262,32 +263,36 @@ def test_cpu_training_topk_equals_the_device_op():
   np.testing.assert_array_equal(got, want)
 
 
-def test_roar_prefill_links_through_nearest_keys_up_to_the_limit(monkeypatch):
+def test_roar_prefill_links_through_exact_then_block_neighbours(monkeypatch):
   """With an accelerator (NEIGHBOURS_ON_CPU stands in for one) each roar layer's build gets
-  the keys' nearest keys until a head holds more than MAX_CANDIDATE_KEYS; decode is exact
-  either way."""
+  the keys' exact nearest keys up to MAX_EXACT_CANDIDATE_KEYS a head and block neighbours past
+  it; decode is exact either way."""
   from kvjax.policies import retrieval
 
   assert retrieval._connect_candidates(np.zeros((1, 8, 4), np.float32)) is None  # a CPU backend searches
   monkeypatch.setattr(retrieval, "NEIGHBOURS_ON_CPU", True)
+  monkeypatch.setattr(retrieval, "CONNECT_CANDIDATES", 4)  # fewer than a block's probed keys
   calls = []
-  original = retrieval._connect_candidates
 
-  def recorded(keys):
-    cand = original(keys)
-    calls.append(None if cand is None else cand.shape)
-    return cand
+  def recorder(name, original):
+    def recorded(keys, count, **kw):
+      calls.append((name, keys.shape[:2], count))
+      return original(keys, count, **kw)
+    return recorded
 
-  monkeypatch.setattr(retrieval, "_connect_candidates", recorded)
+  monkeypatch.setattr(retrieval.ops, "nearest_keys", recorder("exact", ops.nearest_keys))
+  monkeypatch.setattr(retrieval.ops, "block_nearest_keys", recorder("blocks", ops.block_nearest_keys))
   model = tiny_model("llama")
   prompt = random_prompt(53)
   full = run(model, prompt)
   linked = run(model, prompt, index="roar", topk=500, **SMALL)
   n = 53 - SMALL["sinks"] - SMALL["window"]
-  kv_heads = model.cfg.num_kv_heads
-  assert calls == [(kv_heads, n, retrieval.CONNECT_CANDIDATES)] * model.cfg.num_layers
-  monkeypatch.setattr(retrieval, "MAX_CANDIDATE_KEYS", n - 1)
-  searched = run(model, prompt, index="roar", topk=500, **SMALL)
-  assert calls[model.cfg.num_layers:] == [None] * model.cfg.num_layers
-  for result in (linked, searched):
+  kv_heads, layers = model.cfg.num_kv_heads, model.cfg.num_layers
+  assert calls == [("exact", (kv_heads, n), retrieval.CONNECT_CANDIDATES)] * layers
+  monkeypatch.setattr(retrieval, "MAX_EXACT_CANDIDATE_KEYS", n - 1)
+  monkeypatch.setattr(retrieval, "NEIGHBOUR_BLOCK", 8)  # 8 blocks of 6 keys, 2 probed
+  monkeypatch.setattr(retrieval, "NEIGHBOUR_PROBES", 2)
+  blocks = run(model, prompt, index="roar", topk=500, **SMALL)
+  assert calls[layers:] == [("blocks", (kv_heads, n), retrieval.CONNECT_CANDIDATES)] * layers
+  for result in (linked, blocks):
     assert result.tokens == full.tokens

@@ -103,15 +103,21 @@ def _train_topk(
 # searching its graph for every key (~90% of a build's time at 31K keys). On real SmolLM2 8K
 # vectors 32 and 100 candidates gave the search-built graph's recall at equal keys scanned.
 CONNECT_CANDIDATES = 64
-# The exact neighbours cost 2 N^2 (D + 1) flops a KV head and a top-k over N scores a key; a
-# search-built graph costs ~N log N core-seconds. H200, SmolLM2 shapes, clustered synthetic keys
-# (experiments/results/bench_build_smollm2shapes_{262144,524288}_{candidates,search}.md): the
-# neighbours took 1.3 s a head at 256K and 3.6 s at 512K on the device (their C builds after them
-# 1.7 / 4.0 core-seconds, overlapping the next layer's neighbours), the search-built builds 30 and
-# 67 core-seconds a head. For 90 heads on 16 cores: 256K ~115 s against ~170 s, 512K ~325 s
-# against ~380 s; at 1M the N^2 term loses (~1,300 s against ~850 s, arithmetic). Longer heads
-# are built by searching, as RoarGraph does.
-MAX_CANDIDATE_KEYS = 524288
+# The exact neighbours cost 2 N^2 (D + 1) flops a KV head and a top-k over N scores a key. H200,
+# SmolLM2 shapes, clustered synthetic keys (experiments/results/bench_build_smollm2shapes_
+# {262144,524288}_{candidates,search}.md): they took 1.3 s a head at 256K and 3.6 s at 512K on
+# the device (their C builds after them 1.7 / 4.0 core-seconds, overlapping the next layer's
+# neighbours), against 30 and 67 core-seconds a head for builds that search for their links: for
+# 90 heads on 16 cores, 256K ~115 s against ~170 s, 512K ~325 s against ~380 s. At 1M the N^2
+# term would lose (~1,300 s against ~850 s, arithmetic), so longer heads take their candidates
+# from ops.block_nearest_keys: each key ranks the keys of NEIGHBOUR_PROBES blocks of
+# NEIGHBOUR_BLOCK nearby keys (1.6% of a 1M head). Their recall of the exact neighbours is lower,
+# but roar's graphs did not notice: on real SmolLM2 8K vectors (layers 3, 15, 27) candidates with
+# 36-98% of the exact ones gave the same search recall and keys scanned at ef 100-250 as exact
+# candidates and as search-built graphs (experiments/bench_neighbours.py).
+MAX_EXACT_CANDIDATE_KEYS = 524288
+NEIGHBOUR_BLOCK = 1024
+NEIGHBOUR_PROBES = 16
 # On a CPU backend the neighbours take the cores the builds need, and cost more than the searches
 # they replace (SmolLM2, 6K-token prompt, 2 cores: prefill and index 165 s with them, 127-129 s
 # without): they are computed where an accelerator does the work, unless this is set (tests).
@@ -119,11 +125,14 @@ NEIGHBOURS_ON_CPU = False
 
 
 def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or None
-  """Each stored key's CONNECT_CANDIDATES nearest keys by ops.nearest_keys; None (the builds
-  search instead) past MAX_CANDIDATE_KEYS and on a CPU backend (see NEIGHBOURS_ON_CPU)."""
-  if keys.shape[1] > MAX_CANDIDATE_KEYS or (jax.default_backend() == "cpu" and not NEIGHBOURS_ON_CPU):
+  """Each stored key's CONNECT_CANDIDATES nearest keys: exact (ops.nearest_keys) up to
+  MAX_EXACT_CANDIDATE_KEYS, from nearby blocks (ops.block_nearest_keys) past it; None (the
+  builds search instead) on a CPU backend (see NEIGHBOURS_ON_CPU)."""
+  if jax.default_backend() == "cpu" and not NEIGHBOURS_ON_CPU:
     return None
-  return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
+  if keys.shape[1] <= MAX_EXACT_CANDIDATE_KEYS:
+    return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
+  return np.asarray(ops.block_nearest_keys(keys, CONNECT_CANDIDATES, block=NEIGHBOUR_BLOCK, probes=NEIGHBOUR_PROBES))
 
 
 @dataclasses.dataclass(frozen=True)

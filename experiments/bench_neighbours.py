@@ -1,0 +1,128 @@
+"""Do roar graphs need exact link candidates? Graph recall with exact, block and no candidates.
+
+    python experiments/bench_neighbours.py --capture=/tmp/kvjax_recall/smollm2_8128_d217cc3566.npz \\
+        --layers=3,15,27 --configs=256x8,256x4,128x4
+
+retrieval's prefill hands each roar build every key's 64 nearest keys as link candidates: exact
+(ops.nearest_keys, N^2) up to MAX_EXACT_CANDIDATE_KEYS, past it from nearby blocks
+(ops.block_nearest_keys: the keys of the `probes` blocks of `block` keys nearest each key's own).
+For one KV head per layer of a capture (or SYNTHETIC clustered vectors) this builds one roar
+graph per candidate set (exact; each BLOCKxPROBES; none, where the build searches for its links)
+from the same training links (every other prefill query of the head's group) and searches it
+with the group's other prefill queries.
+
+Rows: candidate_recall (the share of the exact 64 neighbours each set keeps), candidates_s (the
+set's seconds on this backend), build_s, and per ef the search's recall@k against brute force and
+the fraction of keys it scanned. The candidates' seconds are only meaningful on the machine the
+prefill runs them on (the GPU); the recall columns are the point of a CPU run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import host_index
+import ops
+import results_io
+from host_index import synthetic
+
+flags.DEFINE_string("capture", None, "experiments/recall.py .npz (q [L, Hq, N, D], k [L, Hkv, N, D]); "
+                    "default: synthetic clustered vectors.")
+flags.DEFINE_list("layers", ["3", "15", "27"], "Capture layers studied (head 0 of each).")
+flags.DEFINE_integer("keys", 8192, "Synthetic: keys per head.")
+flags.DEFINE_integer("head_dim", 64, "Synthetic: head dimension.")
+flags.DEFINE_integer("count", 64, "Candidates per key (retrieval.CONNECT_CANDIDATES).")
+flags.DEFINE_list("configs", ["256x8", "256x4", "128x4"], "Block candidate sets, BLOCKxPROBES.")
+flags.DEFINE_list("efs", ["100", "150", "250"], "Search efforts.")
+flags.DEFINE_integer("k", 100, "recall@k.")
+flags.DEFINE_integer("threads", None, "Build and search threads (default: all).")
+flags.DEFINE_string("out_dir", None, "Results directory.")
+flags.DEFINE_string("name", "bench_neighbours", "Results file name.")
+FLAGS = flags.FLAGS
+
+
+def head_vectors(layer: int, capture):
+  """Keys [N, D], training queries [M, D] and test queries [Q, D] float32 of one head."""
+  if capture is None:
+    n, d = FLAGS.keys, FLAGS.head_dim
+    keys = synthetic.clustered(n, d, seed=layer)
+    queries = synthetic.clustered(n, d, seed=layer + 1000, shift=0.3)[None]
+  else:
+    keys = capture["k"][layer, 0].astype(np.float32)
+    groups = capture["q"].shape[1] // capture["k"].shape[1]
+    queries = capture["q"][layer, :groups].astype(np.float32)  # [G, N, D]: KV head 0's query heads
+  d = keys.shape[-1]
+  return keys, queries[:, ::2].reshape(-1, d), queries[:, 1::16].reshape(-1, d)
+
+
+def parse_configs(configs: list[str]) -> list[tuple[int, int]]:
+  out = []
+  for c in configs:
+    try:
+      block, probes = (int(x) for x in c.split("x"))
+    except ValueError:
+      raise app.UsageError(f"--configs entry {c!r} must be BLOCKxPROBES, e.g. 256x8") from None
+    if block < 1 or probes < 1:
+      raise app.UsageError(f"--configs entry {c!r}: block and probes must be >= 1")
+    out.append((block, probes))
+  return out
+
+
+def candidate_sets(keys):  # keys [N, D] -> {name: ([N, count] ids or None, seconds)}
+  sets = {}
+  t = time.perf_counter()
+  exact = np.asarray(ops.nearest_keys(jnp.asarray(keys)[None], FLAGS.count))[0]
+  sets["exact"] = (exact, time.perf_counter() - t)
+  for block, probes in parse_configs(FLAGS.configs):
+    t = time.perf_counter()
+    ids = np.asarray(ops.block_nearest_keys(jnp.asarray(keys)[None], FLAGS.count, block=block, probes=probes))[0]
+    sets[f"blocks {block}x{probes}"] = (ids, time.perf_counter() - t)
+  sets["none (search-built)"] = (None, 0.0)
+  return sets
+
+
+def recall(ids, truth, n):  # ids [Q, >=k], truth [Q, k] -> mean share of truth found
+  member = np.zeros((len(truth), n + 1), bool)
+  np.put_along_axis(member, truth, True, axis=1)
+  return float(np.take_along_axis(member, np.where(ids >= 0, ids, n), axis=1).sum(1).mean() / truth.shape[1])
+
+
+def main(argv):
+  del argv
+  parse_configs(FLAGS.configs)  # bad entries fail before any work
+  capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
+  efs = [int(e) for e in FLAGS.efs]
+  rows = []
+  for layer in (int(x) for x in FLAGS.layers):
+    keys, train, test = head_vectors(layer, capture)
+    n = len(keys)
+    truth = synthetic.exact_topk(test, keys, FLAGS.k)
+    sets = candidate_sets(keys)
+    exact = sets["exact"][0]
+    for name, (cand, seconds) in sets.items():
+      t = time.perf_counter()
+      index = host_index.build_index(keys, kind="roar", train_queries=train, connect_candidates=cand,
+                                     threads=FLAGS.threads)
+      row = dict(layer=layer, keys=n, candidates=name,
+                 candidate_recall=None if cand is None else round(float(np.mean(
+                     [len(set(a) & set(b)) for a, b in zip(cand, exact)])) / FLAGS.count, 3),
+                 candidates_s=round(seconds, 2), build_s=round(time.perf_counter() - t, 2))
+      for ef in efs:
+        ids, _, scanned = index.search(test, FLAGS.k, ef=ef, threads=FLAGS.threads)
+        row[f"recall_ef{ef}"] = round(recall(ids, truth, n), 4)
+        row[f"scanned_ef{ef}"] = round(float(scanned.mean()) / n, 4)
+      print(row, flush=True)
+      rows.append(row)
+  vectors = f"capture {FLAGS.capture}" if capture is not None else f"SYNTHETIC clustered vectors ({FLAGS.keys} keys)"
+  notes = (f"{vectors}; KV head 0 of each layer; roar trained on every other prefill query of the head's group, "
+           f"searched with every 16th of the others (recall@{FLAGS.k} against brute force). candidate_recall: the "
+           f"share of the exact {FLAGS.count} nearest keys each set holds. Seconds are this machine's.")
+  results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)
+
+
+if __name__ == "__main__":
+  app.run(main)
