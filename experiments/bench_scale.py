@@ -279,7 +279,8 @@ def main(argv):
 
   from context_reuse import ContextReuse
 
-  rows, kernels, contexts = [], [], ContextReuse()
+  reusable = sum(POLICIES[key][0] == "retrieval" for key in FLAGS.policies) > 1 or len(FLAGS.switch_interval) > 1
+  rows, kernels, contexts = [], [], ContextReuse(save=reusable)
   default_interval = sys.getswitchinterval()
   for devices in counts:
     try:

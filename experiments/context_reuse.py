@@ -19,7 +19,10 @@ import kvjax
 class ContextReuse:
   """Builds a context once per (policy, state-shaping options, extra key) and reloads it."""
 
-  def __init__(self):
+  def __init__(self, save: bool = True):
+    """save: False when no later row can reuse a context (one retrieval row a case), which
+    spares a long context's copy to disk (~38 GB at 1M tokens for SmolLM2 shapes)."""
+    self._save = save
     self._saved: dict[tuple, tuple[pathlib.Path, float]] = {}
     self._scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvjax_contexts_"))
 
@@ -39,7 +42,7 @@ class ContextReuse:
     t0 = time.perf_counter()
     context = build()
     seconds = time.perf_counter() - t0
-    if name == "retrieval":  # its index build is the expensive part; other prefills are cheap to redo
+    if name == "retrieval" and self._save:  # its index build is the expensive part; other prefills are cheap to redo
       path = self._scratch / f"context_{len(self._saved)}"
       kvjax.save_context(context, path)
       self._saved[shared] = (path, seconds)
