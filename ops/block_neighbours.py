@@ -1,9 +1,11 @@
 """Each key's nearest keys among the keys of nearby blocks: kNN candidates that scale.
 
 `ops.nearest_keys` is exact and costs a top-k over every key for every key (N^2): 3.6 s a head
-at 512K keys on the H200, ~15 s at 1M, 90 heads for SmolLM2 shapes. A roar build only needs
-good link candidates (it prunes them), so past that length the keys are first partitioned into
-blocks of nearby keys and each key ranks only the keys of the `probes` blocks nearest to its own:
+at 512K keys on the H200, so ~15 s at 1M (arithmetic), for each of SmolLM2's 90 KV heads. A
+roar build only needs good link candidates (it prunes them), so past that length the keys are
+first partitioned into blocks of nearby keys and each key ranks only the keys of the `probes`
+blocks nearest to its own (1M keys, blocks of 1,024, 16 probed: 15.0 s for 6 heads on the H200,
+compile included; experiments/results/bench_build_smollm2shapes_1m_blocks.md):
 
 1. Balanced bisection: at each level every node's keys are sorted by their projection on the
    node's principal direction (a few power iterations) and cut in halves, until the leaves hold
@@ -63,7 +65,7 @@ def _bisect(keys, valid, levels: int, key):  # keys [T, D], valid [T] -> perm [T
 @functools.partial(jax.jit, static_argnames=("count", "block", "probes", "levels"))
 def _block_neighbours(keys, *, count: int, block: int, probes: int, levels: int):
   # keys [H, N, D] float32 -> [H, N, count] int32
-  heads, n, d = keys.shape
+  _, n, d = keys.shape
   leaves = 1 << levels
   total = leaves * block
   padded = jnp.pad(keys, ((0, 0), (0, total - n), (0, 0)))
@@ -74,8 +76,9 @@ def _block_neighbours(keys, *, count: int, block: int, probes: int, levels: int)
     xs, ok, ids = x[perm].reshape(leaves, block, d), valid[perm].reshape(leaves, block), perm.reshape(leaves, block)
     w = ok[..., None].astype(x.dtype)
     means = jnp.sum(xs * w, axis=1) / jnp.maximum(jnp.sum(w, axis=1), 1.0)  # [leaves, D]
-    near = nearest_keys(means[None], probes - 1)[0]  # [leaves, probes - 1]
-    probed = jnp.concatenate([jnp.arange(leaves, dtype=jnp.int32)[:, None], near], axis=-1)
+    probed = jnp.arange(leaves, dtype=jnp.int32)[:, None]  # [leaves, probes]: each block first
+    if probes > 1:
+      probed = jnp.concatenate([probed, nearest_keys(means[None], probes - 1)[0]], axis=-1)
     # ||a - b||^2 ranks as -(a.b - ||b||^2 / 2): [a, -1/2] . [b, ||b||^2], as in ops.nearest_keys
     sq = jnp.sum(xs * xs, axis=-1, keepdims=True)
     as_query = jnp.concatenate([xs, jnp.full_like(sq, -0.5)], axis=-1)  # [leaves, block, D + 1]

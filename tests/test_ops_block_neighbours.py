@@ -51,6 +51,15 @@ def test_few_probes_keep_most_neighbours_of_clustered_keys():
     assert np.all(np.diff(d, axis=-1) >= -1e-4)  # nearest first, up to float32 rounding
 
 
+def test_one_probe_ranks_the_keys_of_its_own_block_only():
+  keys = np.random.default_rng(1).standard_normal((1, 256, 4)).astype(np.float32)
+  got = np.asarray(ops.block_nearest_keys(jnp.asarray(keys), 3, block=32, probes=1))[0]
+  _assert_well_formed(got[None], 256)
+  # a key and its neighbours share one block of 32, so two hops from any key stay within 32 keys
+  member = [set(row.tolist()) | {i} for i, row in enumerate(got)]
+  assert max(len(set().union(*(member[j] for j in member[i]))) for i in range(256)) <= 32
+
+
 def test_falls_back_to_exact_neighbours_when_one_block_holds_every_key():
   keys = np.random.default_rng(0).standard_normal((1, 100, 4)).astype(np.float32)
   got = ops.block_nearest_keys(jnp.asarray(keys), 5, block=128, probes=2)
