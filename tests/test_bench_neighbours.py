@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_neighbours_small(tmp_path):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "experiments")]), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_neighbours.py"), "--layers=1", "--keys=600",
-         "--head_dim=16", "--count=8", "--configs=64x2", "--efs=20", "--k=10", "--threads=1",
+         "--head_dim=16", "--train_queries=50", "--count=8", "--configs=64x2", "--efs=20", "--k=10", "--threads=1",
          f"--out_dir={tmp_path}", "--name=small"]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
