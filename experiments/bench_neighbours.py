@@ -41,6 +41,9 @@ flags.DEFINE_integer("train_queries", 0, "Training queries (strided over the tra
 flags.DEFINE_integer("count", 64, "Candidates per key (retrieval.CONNECT_CANDIDATES).")
 flags.DEFINE_list("configs", ["256x8", "256x4", "128x4"], "Block candidate sets, BLOCKxPROBES.")
 flags.DEFINE_list("efs", ["100", "150", "250"], "Search efforts.")
+flags.DEFINE_integer("candidates_only", 0, "N > 0: only the block sets' candidate recall, against brute force on N "
+                     "sampled keys (no exact set, no graphs): how the sets hold up at lengths where exact "
+                     "neighbours and graph builds are too slow for this machine (e.g. --keys=1048576).")
 flags.DEFINE_integer("k", 100, "recall@k.")
 flags.DEFINE_integer("threads", None, "Build and search threads (default: all).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
@@ -97,10 +100,46 @@ def recall(ids, truth, n):  # ids [Q, >=k], truth [Q, k] -> mean share of truth 
   return float(np.take_along_axis(member, np.where(ids >= 0, ids, n), axis=1).sum(1).mean() / truth.shape[1])
 
 
+def sampled_recall(keys, ids, sample) -> float:  # keys [N, D], ids [N, count], sample [S] -> mean share
+  """Share of each sampled key's exact `count` nearest keys (NumPy brute force) that `ids` holds."""
+  sq = np.einsum("nd,nd->n", keys, keys)
+  found = []
+  for i in sample:
+    dist = sq - 2.0 * (keys @ keys[i])
+    dist[i] = np.inf
+    truth = np.argpartition(dist, FLAGS.count)[:FLAGS.count]
+    found.append(len(set(truth.tolist()) & set(ids[i].tolist())) / FLAGS.count)
+  return float(np.mean(found))
+
+
+def candidates_only_rows(capture) -> list[dict]:
+  rows = []
+  for layer in (int(x) for x in FLAGS.layers):
+    keys = (capture["k"][layer, 0].astype(np.float32) if capture is not None else
+            synthetic.clustered(FLAGS.keys, FLAGS.head_dim, seed=layer).astype(np.float32))
+    sample = np.random.default_rng(layer).choice(len(keys), min(FLAGS.candidates_only, len(keys)), replace=False)
+    for block, probes in parse_configs(FLAGS.configs):
+      t = time.perf_counter()
+      ids = np.asarray(ops.block_nearest_keys(jnp.asarray(keys)[None], FLAGS.count, block=block, probes=probes))[0]
+      row = dict(layer=layer, keys=len(keys), candidates=f"blocks {block}x{probes}",
+                 candidates_s=round(time.perf_counter() - t, 2),
+                 candidate_recall=round(sampled_recall(keys, ids, sample), 3), sampled_keys=len(sample))
+      print(row, flush=True)
+      rows.append(row)
+  return rows
+
+
 def main(argv):
   del argv
   parse_configs(FLAGS.configs)  # bad entries fail before any work
   capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
+  vectors = f"capture {FLAGS.capture}" if capture is not None else f"SYNTHETIC clustered vectors ({FLAGS.keys} keys)"
+  if FLAGS.candidates_only > 0:
+    notes = (f"{vectors}; KV head 0 of each layer; candidate_recall: the share of each of {FLAGS.candidates_only} "
+             f"sampled keys' exact {FLAGS.count} nearest keys (brute force) that the block set holds. No graphs. "
+             "Seconds are this machine's.")
+    results_io.write_results(FLAGS.name, candidates_only_rows(capture), out_dir=FLAGS.out_dir, notes=notes)
+    return
   efs = [int(e) for e in FLAGS.efs]
   rows = []
   for layer in (int(x) for x in FLAGS.layers):
@@ -123,7 +162,6 @@ def main(argv):
         row[f"scanned_ef{ef}"] = round(float(scanned.mean()) / n, 4)
       print(row, flush=True)
       rows.append(row)
-  vectors = f"capture {FLAGS.capture}" if capture is not None else f"SYNTHETIC clustered vectors ({FLAGS.keys} keys)"
   trained = f"{FLAGS.train_queries} of " if FLAGS.train_queries else ""
   notes = (f"{vectors}; KV head 0 of each layer; roar trained on {trained}every other prefill query of the head's group, "
            f"searched with every 16th of the others (recall@{FLAGS.k} against brute force). candidate_recall: the "

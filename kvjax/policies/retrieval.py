@@ -111,10 +111,14 @@ CONNECT_CANDIDATES = 64
 # 90 heads on 16 cores, 256K ~115 s against ~170 s, 512K ~325 s against ~380 s. At 1M the N^2
 # term would lose (~1,300 s against ~850 s, arithmetic), so longer heads take their candidates
 # from ops.block_nearest_keys: each key ranks the keys of NEIGHBOUR_PROBES blocks of
-# NEIGHBOUR_BLOCK nearby keys (1.6% of a 1M head). Their recall of the exact neighbours is lower,
-# but roar's graphs did not notice: on real SmolLM2 8K vectors (layers 3, 15, 27) candidates with
-# 36-98% of the exact ones gave the same search recall and keys scanned at ef 100-250 as exact
-# candidates and as search-built graphs (experiments/bench_neighbours.py).
+# NEIGHBOUR_BLOCK nearby keys (1.6% of a 1M head; 149 s for a 1M context's 90 heads, builds
+# included, on the H200). They hold fewer of the exact neighbours (clustered synthetic keys at 1M:
+# 87% with 16 probes, 99% with 64; CPU), which costs graphs trained on few queries a head, as long
+# heads are (4,096 training queries for 1M keys): on real Qwen2.5 8K vectors with 32 training
+# queries, candidate sets holding 88-98% of the exact neighbours lost 0.4-0.7 points of recall@100,
+# 65-83% lost 2.5-3.4 and 42-54% lost 7-9, at equal keys scanned; with every prefill query
+# training, no set lost anything (experiments/bench_neighbours.py). Graph recall at 1M itself is
+# not measured yet.
 MAX_EXACT_CANDIDATE_KEYS = 524288
 NEIGHBOUR_BLOCK = 1024
 NEIGHBOUR_PROBES = 16
