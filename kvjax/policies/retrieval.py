@@ -111,17 +111,17 @@ CONNECT_CANDIDATES = 64
 # 90 heads on 16 cores, 256K ~115 s against ~170 s, 512K ~325 s against ~380 s. At 1M the N^2
 # term would lose (~1,300 s against ~850 s, arithmetic), so longer heads take their candidates
 # from ops.block_nearest_keys: each key ranks the keys of NEIGHBOUR_PROBES blocks of
-# NEIGHBOUR_BLOCK nearby keys (1.6% of a 1M head; 149 s for a 1M context's 90 heads, builds
-# included, on the H200). They hold fewer of the exact neighbours (clustered synthetic keys at 1M:
-# 87% with 16 probes, 99% with 64; CPU), which costs graphs trained on few queries a head, as long
-# heads are (4,096 training queries for 1M keys): on real Qwen2.5 8K vectors with 32 training
-# queries, candidate sets holding 88-98% of the exact neighbours lost 0.4-0.7 points of recall@100,
-# 65-83% lost 2.5-3.4 and 42-54% lost 7-9, at equal keys scanned; with every prefill query
-# training, no set lost anything (experiments/bench_neighbours.py). Graph recall at 1M itself is
-# not measured yet.
+# NEIGHBOUR_BLOCK nearby keys. They hold fewer of the exact neighbours, which costs graphs trained
+# on few queries a head, as long heads are (4,096 training queries for 1M keys): on real Qwen2.5 8K
+# vectors with 32 training queries, candidate sets holding 88-98% of the exact neighbours lost
+# 0.4-0.7 points of recall@100, 65-83% lost 2.5-3.4 and 42-54% lost 7-9, at equal keys scanned;
+# with every prefill query training, no set lost anything (experiments/bench_neighbours.py). On
+# clustered synthetic keys at 1M, 16 / 32 / 64 probed blocks held 87% / 95% / 99% (CPU: 60 / 85 /
+# 123 s a head), hence 32 (3.1% of a 1M head). The H200's 1M prefill and index took 149 s with 16
+# (bench_scale_smollm2shapes_synthetic_1m.md); with 32 it is not measured yet, nor graph recall at 1M.
 MAX_EXACT_CANDIDATE_KEYS = 524288
 NEIGHBOUR_BLOCK = 1024
-NEIGHBOUR_PROBES = 16
+NEIGHBOUR_PROBES = 32
 # On a CPU backend the neighbours take the cores the builds need, and cost more than the searches
 # they replace (SmolLM2, 6K-token prompt, 2 cores: prefill and index 165 s with them, 127-129 s
 # without): they are computed where an accelerator does the work, unless this is set (tests).
