@@ -8,8 +8,11 @@ retrieval's prefill hands each roar build every key's 64 nearest keys as link ca
 (ops.block_nearest_keys: the keys of the `probes` blocks of `block` keys nearest each key's own).
 For one KV head per layer of a capture (or SYNTHETIC clustered vectors) this builds one roar
 graph per candidate set (exact; each BLOCKxPROBES; none, where the build searches for its links)
-from the same training links (every other prefill query of the head's group) and searches it
-with the group's other prefill queries.
+from the same training links (every other prefill query of the head's group, or
+`--train_queries` of them: a 1M head trains on 4,096, so most of its keys get no training link
+and the candidates carry them) and searches it with the group's other prefill queries.
+`--candidates_only=N` skips the exact set and the graphs and scores the block sets on N sampled
+keys by brute force, for lengths (1M) where the rest is too slow for the machine.
 
 Rows: candidate_recall (the share of the exact 64 neighbours each set keeps), candidates_s (the
 set's seconds on this backend), build_s, and per ef the search's recall@k against brute force and
@@ -38,6 +41,7 @@ flags.DEFINE_integer("head_dim", 64, "Synthetic: head dimension.")
 flags.DEFINE_integer("train_queries", 0, "Training queries (strided over the training half; 0: all of it). "
                      "retrieval trains on 4,096 per query head, so past ~100K keys most keys get no training "
                      "link and the candidates carry them: fewer here mimic that on short heads.")
+flags.DEFINE_integer("test_queries", 2048, "Search queries (strided over the held-out half; 0: all of it).")
 flags.DEFINE_integer("count", 64, "Candidates per key (retrieval.CONNECT_CANDIDATES).")
 flags.DEFINE_list("configs", ["256x8", "256x4", "128x4"], "Block candidate sets, BLOCKxPROBES.")
 flags.DEFINE_list("efs", ["100", "150", "250"], "Search efforts.")
@@ -65,7 +69,10 @@ def head_vectors(layer: int, capture):
   train = queries[:, ::2].reshape(-1, d)
   if FLAGS.train_queries:
     train = train[::max(1, len(train) // FLAGS.train_queries)][:FLAGS.train_queries]
-  return keys, train, queries[:, 1::16].reshape(-1, d)
+  test = queries[:, 1::16].reshape(-1, d)
+  if FLAGS.test_queries:
+    test = test[::max(1, len(test) // FLAGS.test_queries)][:FLAGS.test_queries]
+  return keys, train, test
 
 
 def parse_configs(configs: list[str]) -> list[tuple[int, int]]:
@@ -164,7 +171,8 @@ def main(argv):
       rows.append(row)
   trained = f"{FLAGS.train_queries} of " if FLAGS.train_queries else ""
   notes = (f"{vectors}; KV head 0 of each layer; roar trained on {trained}every other prefill query of the head's group, "
-           f"searched with every 16th of the others (recall@{FLAGS.k} against brute force). candidate_recall: the "
+           f"searched with up to {FLAGS.test_queries or 'all'} of every 16th of the others (recall@{FLAGS.k} against "
+           "brute force). candidate_recall: the "
            f"share of the exact {FLAGS.count} nearest keys each set holds. Seconds are this machine's.")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)
 
