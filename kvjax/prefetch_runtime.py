@@ -216,7 +216,8 @@ class PrefetchRuntime(HostRuntime):
     queries = np.asarray(queries, np.float32)
     L, B, Hq, D = queries.shape
     self._store_evicted(layers, evicted_k, evicted_v, evicted_q, evicted_pos)
-    self._index_overflow(layers, B)
+    lengths = self.context.store.lengths()  # [num_seqs, L]: fixed for the rest of the step
+    indexed_all = self._index_overflow(layers, B, lengths)
     t2 = time.perf_counter()
     self.stats.insert_seconds += t2 - t1
 
@@ -227,8 +228,8 @@ class PrefetchRuntime(HostRuntime):
       self._seen = np.zeros((L, B, Hq), np.int64)
       self._searched_at = np.zeros((L, B, Hq), np.int64)
     rows = layer_rows(layers)  # indexes [L, ...] arrays: a slice (views) where the layers are consecutive
-    stored = self.context.store.lengths()[:, rows].T  # [T, B]
-    indexed = self.context.indexed_counts()[:, rows].T
+    stored = lengths[:, rows].T  # [T, B]
+    indexed = indexed_all[:, rows].T
     self._exchanges += 1
     searched = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool
     found, scanned = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef, heads=searched,
@@ -339,15 +340,19 @@ class PrefetchRuntime(HostRuntime):
       raise RuntimeError("retrieval per_step: more stored tokens than tail slots escaped the searches")
     return np.where(ids < stored[..., None, None], ids, -1)
 
-  def _index_overflow(self, layers, batch: int) -> None:
+  def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not
-    fit the tail slots (normally never: one token per step is indexed in the background)."""
-    behind = (self.context.store.lengths() - self.context.indexed_counts())[:batch, layers]  # [B, T]
+    fit the tail slots (normally never: one token per step is indexed in the background).
+    Returns the indexed counts [num_seqs, L] after it."""
+    indexed = self.context.indexed_counts()
+    behind = (lengths - indexed)[:batch, layers]  # [B, T]
     late = [(int(b), int(layers[t])) for t, b in zip(*np.nonzero(behind.T > self.tail_slots))]
-    if late:
-      for pair in late:
-        q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]
-        self.context.index_stored([pair[0]], [pair[1]], queries=q, threads=self.background_threads)
+    if not late:
+      return indexed
+    for pair in late:
+      q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]
+      self.context.index_stored([pair[0]], [pair[1]], queries=q, threads=self.background_threads)
+    return self.context.indexed_counts()
 
   def _submit_background(self, layer: int, search_queries) -> None:
     """Queues the indexing of every layer's stored tokens as one job (key -1)."""

@@ -142,6 +142,27 @@ class DeviceMirror:
     return self.k, self.v, self.ids >= 0
 
 
+def test_index_overflow_indexes_only_pairs_behind_by_more_than_the_tail():
+  """A (seq, layer) with more unindexed tokens than tail slots is indexed on the spot, one within
+  them is left to the background; the counts returned are those after it."""
+  rng = np.random.default_rng(3)
+  L, Hkv, n, D = 2, 1, 20, 8
+  keys, values = rng.standard_normal((2, L, Hkv, n, D)).astype(np.float32)
+  runtime = _runtime(keys, values, topk=4,
+                     tail_slots=4, kind="graph")
+  try:
+    context = runtime.context
+    for layer, extra in ((0, 6), (1, 3)):  # layer 0 past the 4 tail slots, layer 1 within them
+      k, v = rng.standard_normal((2, Hkv, extra, D)).astype(np.float32)
+      context.append(0, layer, n, k, v)
+      runtime._unindexed_queries[(0, layer)] = list(rng.standard_normal((extra, 2 * Hkv, D)).astype(np.float32))
+    indexed = runtime._index_overflow([0, 1], 1, context.store.lengths())
+    assert indexed.tolist() == context.indexed_counts().tolist() == [[n + 6, n]]
+    assert list(runtime._unindexed_queries) == [(0, 1)]
+  finally:
+    runtime.close()
+
+
 def test_successor_ids_follow_each_found_id_within_the_store():
   found = np.array([[[[3, 7, -1, 8]]]])  # [T, B, Hq, k]; store of 9 tokens (ids 0..8)
   got = successor_ids(found, np.array([[9]]), 2)

@@ -106,19 +106,20 @@ CONNECT_CANDIDATES = 64
 # The exact neighbours cost 2 N^2 (D + 1) flops a KV head and a top-k over N scores a key. H200,
 # SmolLM2 shapes, clustered synthetic keys (experiments/results/bench_build_smollm2shapes_
 # {262144,524288}_{candidates,search}.md): they took 1.3 s a head at 256K and 3.6 s at 512K on
-# the device (their C builds after them 1.7 / 4.0 core-seconds, overlapping the next layer's
-# neighbours), against 30 and 67 core-seconds a head for builds that search for their links: for
-# 90 heads on 16 cores, 256K ~115 s against ~170 s, 512K ~325 s against ~380 s. At 1M the N^2
-# term would lose (~1,300 s against ~850 s, arithmetic), so longer heads take their candidates
-# from ops.block_nearest_keys: each key ranks the keys of NEIGHBOUR_PROBES blocks of
+# the device (their C builds after them 4.5 / 7.0 core-seconds a head, overlapping the next
+# layer's neighbours), against 32 and 70 core-seconds a head for builds that search for their
+# links: for 90 heads on 16 cores, 256K ~120 s against ~180 s, 512K ~325 s against ~390 s. At 1M
+# the N^2 term would lose (~1,300 s against ~850 s, arithmetic), so longer heads take their
+# candidates from ops.block_nearest_keys: each key ranks the keys of NEIGHBOUR_PROBES blocks of
 # NEIGHBOUR_BLOCK nearby keys. They hold fewer of the exact neighbours, which costs graphs trained
 # on few queries a head, as long heads are (4,096 training queries for 1M keys): on real Qwen2.5 8K
 # vectors with 32 training queries, candidate sets holding 88-98% of the exact neighbours lost
-# 0.4-0.7 points of recall@100, 65-83% lost 2.5-3.4 and 42-54% lost 7-9, at equal keys scanned;
-# with every prefill query training, no set lost anything (experiments/bench_neighbours.py). On
-# clustered synthetic keys at 1M, 16 / 32 / 64 probed blocks held 87% / 95% / 99% (CPU: 60 / 85 /
-# 123 s a head), hence 32 (3.1% of a 1M head). The H200's 1M prefill and index took 149 s with 16
-# (bench_scale_smollm2shapes_synthetic_1m.md); with 32 it is not measured yet, nor graph recall at 1M.
+# 0.4-0.7 points of recall@100 (as many as search-built graphs: 0.3-0.8), 65-83% lost 1.8-3.4 and
+# 42-54% lost 6-9.5, within 4% of the keys scanned; with every prefill query training, no set lost
+# more than 0.13 (experiments/bench_neighbours.py). On clustered synthetic keys at 1M, 16 / 32 / 64
+# probed blocks held 87% / 95% / 99% (CPU: 60 / 85 / 123 s a head), hence 32 (3.1% of a 1M head).
+# The H200's 1M prefill and index took 149 s with 16 (bench_scale_smollm2shapes_synthetic_1m.md);
+# with 32 it is not measured yet, nor graph recall at 1M.
 MAX_EXACT_CANDIDATE_KEYS = 524288
 NEIGHBOUR_BLOCK = 1024
 NEIGHBOUR_PROBES = 32
