@@ -96,6 +96,21 @@ class HostStats:
     return out
 
 
+@dataclasses.dataclass
+class PrefillTimes:
+  """Where a retrieval prefill's offload and index builds spend host wall time (seconds, once
+  per prefill: not per decode step, hence not in HostStats)."""
+
+  offload: float = 0.0  # waiting for each layer's KV and copying it into the store
+  train_topk: float = 0.0  # roar: the training queries' exact top keys
+  candidates: float = 0.0  # roar: each key's nearest keys (link candidates)
+  queue: float = 0.0  # handing the builds to the build workers
+  build_wait: float = 0.0  # after the last layer: waiting for the builds still running
+
+  def as_dict(self) -> dict:
+    return {f"prefill_{k}_s": round(v, 4) for k, v in dataclasses.asdict(self).items()}
+
+
 def available_cores() -> int:
   try:
     return len(os.sched_getaffinity(0))
@@ -203,6 +218,7 @@ class HostRuntime:
     self.background_nice = background_nice
     self.worker_cores = worker_cores
     self.stats = HostStats()
+    self.prefill_times = PrefillTimes()
     self.errors: list[str] = []
     # Speculation: per layer, the previous step's query [B, Hq, D] and the background search
     # launched with it, whose ids [B, Hq, k] serve the next step.

@@ -109,6 +109,12 @@ def _random_cfg(which: str, dtype: str) -> ModelConfig:
         head_dim=16, intermediate_size=128, max_position=4096, rope_theta=1000000.0, norm_eps=1e-6,
         tie_embeddings=True, qkv_bias=True, dtype=dtype,
     )  # fmt: skip
+  if which == "qwen2.5-0.5b":  # Qwen2.5(-Coder)-0.5B-Instruct's shapes: the 32K accuracy model's speed twin
+    return ModelConfig(
+        name=name, family="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, intermediate_size=4864, max_position=32768, rope_theta=1000000.0, norm_eps=1e-6,
+        qkv_bias=True, dtype=dtype,
+    )  # fmt: skip
   if which == "gemma3-tiny":
     layers, hidden, head_dim = 6, 64, 16
     return ModelConfig(
@@ -122,7 +128,8 @@ def _random_cfg(which: str, dtype: str) -> ModelConfig:
   raise ValueError(f"unknown random model {name!r}; known: {', '.join(RANDOM_NAMES)}")
 
 
-RANDOM_NAMES = ("random:tiny", "random:smollm2", "random:llama3-8b", "random:qwen2-tiny", "random:gemma3-tiny")
+RANDOM_NAMES = ("random:tiny", "random:smollm2", "random:llama3-8b", "random:qwen2.5-0.5b", "random:qwen2-tiny",
+                "random:gemma3-tiny")
 KNOWN_NAMES = ("smollm2", "SmolLM2-135M-Instruct", "gemma3-270m", "qwen2.5-0.5b") + RANDOM_NAMES
 
 
@@ -389,7 +396,7 @@ def load_model(
   Args:
     name_or_path: "smollm2" / "SmolLM2-135M-Instruct" (default model), "gemma3-270m",
       "qwen2.5-0.5b", "random:tiny" | "random:smollm2" | "random:llama3-8b" |
-      "random:qwen2-tiny" | "random:gemma3-tiny", a path to a .gguf file, or a path to an
+      "random:qwen2.5-0.5b" | "random:qwen2-tiny" | "random:gemma3-tiny", a path to a .gguf file, or a path to an
       HF directory (config.json + safetensors).
     dtype: parameter dtype ("float32", "bfloat16", "float16").
     cache_dir: root of kvjax's caches (default $KVJAX_CACHE or ~/.cache/kvjax); converted

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from models import param_cache
+from models import gguf_weights, param_cache, registry
 from models.config import RopeScaling, param_shapes
 from models.registry import KNOWN_NAMES, RANDOM_NAMES, _random_cfg, load_model, random_params
 
@@ -233,3 +233,14 @@ def test_auto_layout_stays_stacked_on_cpu_and_bad_layout_is_refused():
     assert not isinstance(load_model("random:tiny").params["layers"], list)
   with pytest.raises(ValueError, match="layout='scanned'"):
     load_model("random:tiny", layout="scanned")
+
+
+def _qwen_gguf() -> str | None:
+  path = os.path.join(registry.default_cache_dir(), "gguf", "Qwen2.5-Coder-0.5B-Instruct.gguf")
+  return path if os.path.isfile(path) and os.path.getsize(path) == registry.QWEN25_SIZE else None
+
+
+@pytest.mark.skipif(_qwen_gguf() is None, reason="Qwen2.5-Coder-0.5B-Instruct's GGUF is not assembled in the cache")
+def test_random_qwen_shapes_match_the_real_models_header():
+  real = gguf_weights.config_from_gguf(gguf_weights.open_gguf(_qwen_gguf()), name="random:qwen2.5-0.5b")
+  assert _random_cfg("qwen2.5-0.5b", "float32") == real

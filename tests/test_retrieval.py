@@ -33,6 +33,10 @@ def test_equals_full_when_topk_covers_the_context(index, extra):
   sparse = run(model, prompt, index=index, topk=500, **SMALL, **extra)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   assert sparse.tokens == full.tokens
+  times = {k: v for k, v in sparse.policy_stats.items() if k.startswith("prefill_")}  # where the prefill went
+  assert set(times) == {f"prefill_{k}_s" for k in ("offload", "train_topk", "candidates", "queue", "build_wait")}
+  assert times["prefill_offload_s"] > 0 and times["prefill_queue_s"] > 0
+  assert (times["prefill_train_topk_s"] > 0) == (index == "roar")
 
 
 def test_equals_full_with_dense_and_local_layers():

@@ -404,7 +404,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return {}
     if self.bridge == "per_step":
       runtime.settle()  # lag 2: the last step's prefetch may still be counting
-    return runtime.stats.as_dict() | {"resident_bytes": runtime.context.nbytes}  # store + indexes
+    resident = {"resident_bytes": runtime.context.nbytes}  # store + indexes
+    return runtime.stats.as_dict() | runtime.prefill_times.as_dict() | resident
 
   # -- attention -------------------------------------------------------------------------
 
@@ -534,7 +535,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     state = state.replace(ring_k=set_layer(state.ring_k, layer, ring_k[0]), ring_v=set_layer(state.ring_v, layer, ring_v[0]))
     if layer in self.dense_layer_ids(cfg):
       return state
-    context = self.runtime(state).context
+    runtime = self.runtime(state)
+    context, times = runtime.context, runtime.prefill_times
     M = state.train_q.shape[3]
     stride = max(1, math.ceil(state.dense.capacity / M))
     for b, n in enumerate(lengths):
@@ -542,16 +544,26 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       if end <= S:
         continue  # the whole prompt fits on the device
       keys, values = k[b, :, S:end], v[b, :, S:end]  # [Hkv, N, D]
+      t0 = time.perf_counter()
       context.append(b, layer, 0, np.asarray(keys), np.asarray(values))
+      t1 = time.perf_counter()
+      times.offload += t1 - t0
       if self.index == "roar":
         count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
         queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
         ids = _train_topk(queries, keys, min(self.train_topk, end - S))
+        t2 = time.perf_counter()
         cand = _connect_candidates(keys)
+        t3 = time.perf_counter()
+        times.train_topk += t2 - t1
+        times.candidates += t3 - t2
         context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
                             train_topk=ids[None], connect_candidates=None if cand is None else cand[None], wait=False)
+        times.queue += time.perf_counter() - t3
       else:
+        t3 = time.perf_counter()
         context.build_layer(layer, seqs=[b], wait=False)
+        times.queue += time.perf_counter() - t3
     return state
 
   def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
@@ -562,7 +574,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         state = self.offload_layer(cfg, state, layer)
         if on_progress is not None:
           on_progress(layer + 1, cfg.num_layers)
+    t0 = time.perf_counter()
     self.runtime(state).context.wait_builds()
+    self.runtime(state).prefill_times.build_wait += time.perf_counter() - t0
     dense_ids = self.dense_layer_ids(cfg)
     keep = jnp.asarray(self.prefill_slots(cfg, state.staged)[list(dense_ids)], jnp.int32)
     state = state.replace(dense=DenseKVCache(k=state.dense.k[keep], v=state.dense.v[keep]),
