@@ -41,15 +41,18 @@ flags.DEFINE_string("name", "bench_topk", "Results file name.")
 FLAGS = flags.FLAGS
 
 
-def timed(fn) -> tuple[float, np.ndarray]:
-  """(median seconds of FLAGS.repeats calls after a warm-up, the ids of the last)."""
+def timed(fn) -> tuple[float, float, np.ndarray]:
+  """(seconds of the warm-up call (compiling), median seconds of FLAGS.repeats calls after it,
+  the ids of the last)."""
+  t0 = time.perf_counter()
   ids = np.asarray(fn())
+  first = time.perf_counter() - t0
   seconds = []
   for _ in range(FLAGS.repeats):
     t0 = time.perf_counter()
     ids = np.asarray(fn())  # the copy to the host ends the call (ids are what the builds take)
     seconds.append(time.perf_counter() - t0)
-  return float(np.median(seconds)), ids
+  return first, float(np.median(seconds)), ids
 
 
 def main(argv):
@@ -74,16 +77,18 @@ def main(argv):
   for op, call in cases.items():
     first = None
     for bn in blocks:
-      seconds, ids = timed(lambda: call(bn or None))
+      first_seconds, seconds, ids = timed(lambda: call(bn or None))
       first = ids if first is None else first
       rows.append(dict(op=op, keys=N, kv_heads=H, q_heads=Hq, head_dim=D, block_q=FLAGS.block_q or "default",
                        block_n=bn or "all",
                        k=FLAGS.neighbours if op == "nearest_keys" else FLAGS.train_topk,
-                       seconds=round(seconds, 4), same_ids=bool(np.array_equal(ids, first))))
+                       seconds=round(seconds, 4), first_seconds=round(first_seconds, 3),
+                       same_ids=bool(np.array_equal(ids, first))))
       print(rows[-1], flush=True)
   notes = (f"One layer's heads: nearest_keys over {H} KV heads of {N} keys ({D} dims; every key a query), "
            f"exact_topk of {FLAGS.train_queries} queries per query head ({Hq}) over them. seconds: median of "
-           f"{FLAGS.repeats} jitted calls after a warm-up, the ids copied to the host; same_ids: equal to the "
+           f"{FLAGS.repeats} jitted calls after a warm-up, the ids copied to the host; first_seconds: the "
+           f"warm-up call (compiling included); same_ids: equal to the "
            f"first block_n's. Synthetic clustered vectors.")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)
 

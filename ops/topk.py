@@ -47,12 +47,17 @@ def _tiled_top_k(s, k: int):  # s [..., n] float32
   Why exact: an element of the top k (value descending, position ascending) lies in a tile
   among the k best by (tile maximum descending, tile position ascending); otherwise k such
   tiles each hold an element ahead of it. The kept tiles are gathered in position order, so
-  the second top_k's ties still go to the lower position."""
+  the second top_k's ties still go to the lower position. A row whose length is not a whole
+  number of tiles is padded with -inf after its end: a pad ties at best with a real -inf,
+  which comes first, so with n >= k no pad is returned."""
   n = s.shape[-1]
   tile = _tile_width(n, k)
-  if tile == 1 or n % tile or n // tile <= k:
+  tiles_n = -(-n // tile)
+  if tile == 1 or tiles_n <= k or n < k:
     return lax.top_k(s, k)
-  tiles = s.reshape(*s.shape[:-1], n // tile, tile)
+  if tiles_n * tile != n:  # prompts of any length: without this, whole rows were sorted
+    s = jnp.pad(s, [(0, 0)] * (s.ndim - 1) + [(0, tiles_n * tile - n)], constant_values=_NEG_INF)
+  tiles = s.reshape(*s.shape[:-1], tiles_n, tile)
   _, best = lax.top_k(jnp.max(tiles, axis=-1), k)
   best = jnp.sort(best, axis=-1)  # [..., k] tile indices in position order
   candidates = jnp.take_along_axis(tiles, best[..., None], axis=-2)  # [..., k, tile]
@@ -219,6 +224,7 @@ def nearest_keys(
     keys: jax.Array,  # [H, N, D]
     count: int,
     *,
+    key_lengths: jax.Array | int | None = None,  # [H] int32 or scalar
     block_q: int | None = None,
     block_n: int | None = None,
 ) -> jax.Array:
@@ -228,18 +234,38 @@ def nearest_keys(
   The connectivity candidates of a roar build (host_index.build_index's
   connect_candidates), which then skips searching its graph for every key. Ranking by
   ||a - b||^2 is ranking by a·b - ||b||^2 / 2, an inner product of [a, -1/2] with
-  [b, ||b||^2]: exact_topk over those augmented vectors, in float32.
+  [b, ||b||^2]: exact_topk over those augmented vectors, in float32. With `key_lengths` only
+  keys [0, key_lengths) of a head count, and its rows past them are -1: keys padded to a few
+  bucket sizes share one compiled program (prompts of any length).
   """
   _checks.check_float("keys", keys)
   _checks.check_ndim("keys", keys, (3,), "[heads, num_keys, head_dim]")
   if not isinstance(count, int) or isinstance(count, bool) or count < 1:
     raise ValueError(f"{count=} must be a python int >= 1")
+  key_lengths = _prepare(keys, keys, count, key_lengths)
+  for name, val in (("block_q", block_q), ("block_n", block_n)):
+    if val is not None and val < 1:
+      raise ValueError(f"{name}={val} must be >= 1")
+  heads, num_keys, _ = keys.shape
+  if num_keys == 0:
+    return jnp.full((heads, 0, count), -1, jnp.int32)
+  block_n = block_n or num_keys
+  block_q = block_q or max(1, min(1024, _SCORE_BLOCK // (heads * block_n)))
+  return _nearest_keys(keys, key_lengths, count=count, block_q=block_q, block_n=block_n)
+
+
+@functools.partial(jax.jit, static_argnames=("count", "block_q", "block_n"))
+def _nearest_keys(keys, key_lengths, *, count: int, block_q: int, block_n: int):  # [H, N, D], [H] -> [H, N, count]
   k32 = keys.astype(jnp.float32)
   sq = jnp.sum(k32 * k32, axis=-1, keepdims=True)
   queries = jnp.concatenate([k32, jnp.full_like(sq, -0.5)], axis=-1)
   augmented = jnp.concatenate([k32, sq], axis=-1)
-  _, ids = exact_topk(queries, augmented, count + 1, block_q=block_q, block_n=block_n)
+  num_keys = keys.shape[1]
+  _, ids = _exact_topk(queries, augmented, key_lengths, k=min(count + 1, num_keys), block_q=block_q, block_n=block_n)
+  if ids.shape[-1] <= count:  # fewer keys than count + 1
+    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, count + 1 - ids.shape[-1])), constant_values=-1)
   # Drop each key itself: first by construction, unless exact duplicates tie ahead of it.
-  own = jnp.arange(keys.shape[1], dtype=jnp.int32)[None, :, None]
+  own = jnp.arange(num_keys, dtype=jnp.int32)[None, :, None]
   order = jnp.argsort(ids == own, axis=-1, stable=True)  # the others first, still nearest first
-  return jnp.take_along_axis(ids, order, axis=-1)[..., :count]
+  ids = jnp.take_along_axis(ids, order, axis=-1)[..., :count]
+  return jnp.where(own < key_lengths[:, None, None], ids, -1)

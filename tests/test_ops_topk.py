@@ -47,6 +47,25 @@ def test_ties_go_to_the_lower_index_as_in_lax_top_k():
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(full, 12)[1]))
 
 
+@pytest.mark.parametrize("n", [3001, 3008, 2990])
+def test_tiled_top_k_equals_lax_top_k_for_rows_of_any_length(n):
+  """Rows that are not a whole number of tiles are padded with -inf; ties (integer scores) and
+  masked (-inf) stretches, down to fewer finite scores than k, must come out as lax.top_k's."""
+  from ops.topk import _tile_width, _tiled_top_k
+
+  k = 12
+  assert _tile_width(n, k) == 16 and -(-n // 16) > k  # the tiled path, padded unless n = 3008
+  rng = np.random.default_rng(n)
+  s = rng.integers(-3, 4, (5, n)).astype(np.float32)
+  s[1, : n - 40] = -np.inf  # 40 finite scores, at the end
+  s[2, 7:] = -np.inf  # fewer finite scores than k
+  s[3] = -np.inf
+  got_s, got_i = _tiled_top_k(jnp.asarray(s), k)
+  want_s, want_i = jax.lax.top_k(jnp.asarray(s), k)
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want_s))
+
+
 def test_key_lengths_and_empty():
   rng = np.random.default_rng(0)
   queries = jnp.asarray(rng.standard_normal((4, 9, 64)), jnp.float32)
@@ -101,6 +120,18 @@ def test_nearest_keys_matches_brute_force_and_numpy(n, count, block_n):
     np.testing.assert_array_equal(host_index.key_neighbours(keys[h], count, block=37), want)
 
 
+def test_nearest_keys_of_padded_keys_equal_those_of_the_keys_within_their_lengths():
+  rng = np.random.default_rng(5)
+  keys = rng.standard_normal((2, 300, 16)).astype(np.float32)
+  lengths = np.array([257, 40], np.int32)
+  got = np.asarray(ops.nearest_keys(jnp.asarray(keys), 8, key_lengths=jnp.asarray(lengths), block_q=64))
+  for h, n in enumerate(lengths):
+    np.testing.assert_array_equal(got[h, :n], np.asarray(ops.nearest_keys(jnp.asarray(keys[h:h + 1, :n]), 8))[0])
+    assert np.all(got[h, n:] == -1)
+  scalar = np.asarray(ops.nearest_keys(jnp.asarray(keys), 8, key_lengths=257))
+  np.testing.assert_array_equal(scalar[0], got[0])
+
+
 def test_nearest_keys_never_lists_a_key_as_its_own_neighbour_with_duplicates():
   keys = np.repeat(np.arange(6, dtype=np.float32)[:, None], 4, axis=1)[None]  # [1, 6, 4]
   keys = np.concatenate([keys, keys], axis=1)  # every key twice: ties at distance 0
@@ -113,7 +144,8 @@ def test_nearest_keys_never_lists_a_key_as_its_own_neighbour_with_duplicates():
     (dict(keys=np.zeros((4, 8), np.float32), count=2), "keys"),
     (dict(keys=np.zeros((1, 4, 8), np.int32), count=2), "keys"),
     (dict(keys=np.zeros((1, 4, 8), np.float32), count=0), "count=0"),
-    (dict(keys=np.zeros((1, 4, 8), np.float32), count=True), "count=True")])
+    (dict(keys=np.zeros((1, 4, 8), np.float32), count=True), "count=True"),
+    (dict(keys=np.zeros((1, 4, 8), np.float32), count=2, key_lengths=5), "key_lengths")])
 def test_nearest_keys_bad_input(bad, match):
   with pytest.raises((ValueError, TypeError), match=match):
-    ops.nearest_keys(jnp.asarray(bad["keys"]), bad["count"])
+    ops.nearest_keys(jnp.asarray(bad["keys"]), bad["count"], key_lengths=bad.get("key_lengths"))

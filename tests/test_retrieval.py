@@ -267,6 +267,29 @@ def test_cpu_training_topk_equals_the_device_op():
   np.testing.assert_array_equal(got, want)
 
 
+def test_device_training_topk_pads_to_shared_sizes_without_changing_a_link(monkeypatch):
+  from kvjax.policies import retrieval
+
+  rng = np.random.default_rng(1)
+  queries = rng.standard_normal((6, 70, 16)).astype(np.float32)
+  queries[:, ::2] = -np.abs(queries[:, ::2])  # every score below a zero (padding) key's
+  keys = (np.abs(rng.standard_normal((2, 45, 16))) + 0.1).astype(np.float32)
+  assert retrieval._bucket(70) > 70 and retrieval._bucket(45) > 45
+  want = retrieval._train_topk(queries, keys, 9)  # NumPy, unpadded
+  monkeypatch.setattr(retrieval.jax, "default_backend", lambda: "gpu")  # the accelerator path, padded
+  got = retrieval._train_topk(jnp.asarray(queries), jnp.asarray(keys), 9)
+  assert got.shape == (6, 70, 9)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_bucket_sizes():
+  from kvjax.policies.retrieval import _bucket
+
+  sizes = [_bucket(n) for n in range(1, 5000)]
+  assert all(n <= b <= n * 17 / 16 for n, b in zip(range(1, 5000), sizes))
+  assert len(set(sizes[2048:4095])) == 16  # 16 sizes an octave
+
+
 def test_roar_prefill_links_through_exact_then_block_neighbours(monkeypatch):
   """With an accelerator (NEIGHBOURS_ON_CPU stands in for one) each roar layer's build gets
   the keys' exact nearest keys up to MAX_EXACT_CANDIDATE_KEYS a head and block neighbours past
@@ -292,7 +315,9 @@ def test_roar_prefill_links_through_exact_then_block_neighbours(monkeypatch):
   linked = run(model, prompt, index="roar", topk=500, **SMALL)
   n = 53 - SMALL["sinks"] - SMALL["window"]
   kv_heads, layers = model.cfg.num_kv_heads, model.cfg.num_layers
-  assert calls == [("exact", (kv_heads, n), retrieval.CONNECT_CANDIDATES)] * layers
+  padded = retrieval._bucket(n)
+  assert padded > n  # padded to a shared size: the padding must not change a neighbour
+  assert calls == [("exact", (kv_heads, padded), retrieval.CONNECT_CANDIDATES)] * layers
   monkeypatch.setattr(retrieval, "MAX_EXACT_CANDIDATE_KEYS", n - 1)
   monkeypatch.setattr(retrieval, "NEIGHBOUR_BLOCK", 8)  # 8 blocks of 6 keys, 2 probed
   monkeypatch.setattr(retrieval, "NEIGHBOUR_PROBES", 2)

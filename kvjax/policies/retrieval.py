@@ -83,10 +83,14 @@ def _train_topk(
 ) -> np.ndarray:
   """Each training query's exact top-k keys, best first: [Hq, M, k] int32 (roar's links).
 
-  On an accelerator ops.exact_topk; on a CPU backend NumPy, a partition then a sort of the k
-  best (~4x faster than XLA's top_k there; the same keys up to exact score ties)."""
+  On an accelerator ops.exact_topk (queries and keys padded to _bucket sizes); on a CPU backend
+  NumPy, a partition then a sort of the k best (~4x faster than XLA's top_k there; the same keys
+  up to exact score ties)."""
   if jax.default_backend() != "cpu":
-    return np.asarray(ops.exact_topk(queries, keys, k)[1])
+    num_q, num_keys = queries.shape[1], keys.shape[1]
+    ids = ops.exact_topk(_pad_rows(queries, _bucket(num_q)), _pad_rows(keys, _bucket(num_keys)), k,
+                         key_lengths=num_keys)[1]
+    return np.asarray(ids[:, :num_q])
   q, kv = np.asarray(queries, np.float32), np.asarray(keys, np.float32)
   groups = q.shape[0] // kv.shape[0]
   out = np.empty(q.shape[:2] + (k,), np.int32)
@@ -97,6 +101,17 @@ def _train_topk(
       order = np.argsort(-np.take_along_axis(s, part, axis=1), axis=1, kind="stable")
       out[h, start:start + block] = np.take_along_axis(part, order, axis=1)
   return out
+
+
+def _bucket(n: int) -> int:
+  """n rounded up to a multiple of 2^(floor(log2 n) - 4): at most 1/16 more, 16 sizes an octave,
+  so the device top-k of prompts of nearby lengths share their compiled programs."""
+  step = 1 << max(0, n.bit_length() - 5)
+  return -(-n // step) * step
+
+
+def _pad_rows(x, rows: int):  # [H, n, D] -> [H, rows, D], zeros after row n
+  return x if x.shape[1] == rows else jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
 
 
 # Each key's nearest keys handed to a roar build, which then links through them instead of
@@ -119,7 +134,9 @@ CONNECT_CANDIDATES = 64
 # more than 0.13 (experiments/bench_neighbours.py). On clustered synthetic keys at 1M, 16 / 32 / 64
 # probed blocks held 87% / 95% / 99% (CPU: 60 / 85 / 123 s a head), hence 32 (3.1% of a 1M head).
 # The H200's 1M prefill and index took 149 s with 16 (bench_scale_smollm2shapes_synthetic_1m.md);
-# with 32 it is not measured yet, nor graph recall at 1M.
+# 32 left the neighbours' time as it was (15.1 s for 6 heads, compiling included) and made the C
+# builds after them 2.4 core-s a head slower (bench_build_smollm2shapes_1m_blocks32.md). Graph
+# recall at 1M is not measured.
 MAX_EXACT_CANDIDATE_KEYS = 524288
 NEIGHBOUR_BLOCK = 1024
 NEIGHBOUR_PROBES = 32
@@ -135,8 +152,10 @@ def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or Non
   builds search instead) on a CPU backend (see NEIGHBOURS_ON_CPU)."""
   if jax.default_backend() == "cpu" and not NEIGHBOURS_ON_CPU:
     return None
-  if keys.shape[1] <= MAX_EXACT_CANDIDATE_KEYS:
-    return np.asarray(ops.nearest_keys(keys, CONNECT_CANDIDATES))
+  num_keys = keys.shape[1]
+  if num_keys <= MAX_EXACT_CANDIDATE_KEYS:
+    padded = _pad_rows(keys, _bucket(num_keys))
+    return np.asarray(ops.nearest_keys(padded, CONNECT_CANDIDATES, key_lengths=num_keys)[:, :num_keys])
   return np.asarray(ops.block_nearest_keys(keys, CONNECT_CANDIDATES, block=NEIGHBOUR_BLOCK, probes=NEIGHBOUR_PROBES))
 
 
