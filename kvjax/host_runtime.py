@@ -99,7 +99,7 @@ class HostStats:
 @dataclasses.dataclass
 class PrefillTimes:
   """Where a retrieval prefill's offload and index builds spend host wall time (seconds, once
-  per prefill: not per decode step, hence not in HostStats)."""
+  per prefill: not per decode step, hence not in HostStats; zeros for a loaded context)."""
 
   offload: float = 0.0  # waiting for each layer's KV and copying it into the store
   train_topk: float = 0.0  # roar: the training queries' exact top keys

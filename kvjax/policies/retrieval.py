@@ -135,8 +135,8 @@ CONNECT_CANDIDATES = 64
 # probed blocks held 87% / 95% / 99% (CPU: 60 / 85 / 123 s a head), hence 32 (3.1% of a 1M head).
 # The H200's 1M prefill and index took 149 s with 16 (bench_scale_smollm2shapes_synthetic_1m.md);
 # 32 left the neighbours' time as it was (15.1 s for 6 heads, compiling included) and made the C
-# builds after them 2.4 core-s a head slower (bench_build_smollm2shapes_1m_blocks32.md). Graph
-# recall at 1M is not measured.
+# builds after them 10.4 core-s a head against 9.1 (bench_build_smollm2shapes_1m_blocks32.md).
+# Graph recall at 1M is not measured.
 MAX_EXACT_CANDIDATE_KEYS = 524288
 NEIGHBOUR_BLOCK = 1024
 NEIGHBOUR_PROBES = 32
