@@ -72,6 +72,9 @@ def test_bad_input_raises_before_anything_is_queued():
     bad = np.full((S, HQ, M, 5), N, np.int64)  # ids past the stored keys
     with pytest.raises(ValueError, match="train_topk ids out of range"):
         ctx.build_layer(0, train_queries=train[0], train_topk=bad, wait=False)
+    wraps = np.full((S, HQ, M, 5), 2**32, np.int64)  # 0 once cast to int32: checked before the cast
+    with pytest.raises(ValueError, match="train_topk ids out of range"):
+        ctx.build_layer(0, train_queries=train[0], train_topk=wraps, wait=False)
     with pytest.raises(ValueError, match="threads"):
         ctx.build_layer(0, train_queries=train[0], threads=0)
     assert ctx._builds == [] and ctx._builder is None
@@ -166,6 +169,7 @@ def test_build_layer_hands_each_index_its_kv_heads_candidates():
     (np.zeros((N, 4), np.int64), "must start with"),  # not [S, Hkv, N, C]
     (np.zeros((S, HQ, N, 4), np.int64), "must start with"),  # query heads, not KV heads
     (np.full((S, HKV, N, 4), N), "out of range"),
+    (np.full((S, HKV, N, 4), 2**32 + 1, np.int64), "out of range"),  # would wrap to 1 as int32
     (np.zeros((S, HKV, N - 1, 4), np.int64), "must be"),
     (np.zeros((S, HKV, N, 4), np.float32), "not an integer")])
 def test_bad_connect_candidates(cand, match):
