@@ -55,14 +55,19 @@ flags.DEFINE_string("name", "bench_neighbours", "Results file name.")
 FLAGS = flags.FLAGS
 
 
+def head_keys(layer: int, capture):
+  """KV head 0's keys [N, D] float32 of one capture layer, or synthetic ones."""
+  if capture is None:
+    return synthetic.clustered(FLAGS.keys, FLAGS.head_dim, seed=layer).astype(np.float32)
+  return capture["k"][layer, 0].astype(np.float32)
+
+
 def head_vectors(layer: int, capture):
   """Keys [N, D], training queries [M, D] and test queries [Q, D] float32 of one head."""
+  keys = head_keys(layer, capture)
   if capture is None:
-    n, d = FLAGS.keys, FLAGS.head_dim
-    keys = synthetic.clustered(n, d, seed=layer)
-    queries = synthetic.clustered(n, d, seed=layer + 1000, shift=0.3)[None]
+    queries = synthetic.clustered(FLAGS.keys, FLAGS.head_dim, seed=layer + 1000, shift=0.3)[None]
   else:
-    keys = capture["k"][layer, 0].astype(np.float32)
     groups = capture["q"].shape[1] // capture["k"].shape[1]
     queries = capture["q"][layer, :groups].astype(np.float32)  # [G, N, D]: KV head 0's query heads
   d = keys.shape[-1]
@@ -122,8 +127,7 @@ def sampled_recall(keys, ids, sample) -> float:  # keys [N, D], ids [N, count], 
 def candidates_only_rows(capture) -> list[dict]:
   rows = []
   for layer in (int(x) for x in FLAGS.layers):
-    keys = (capture["k"][layer, 0].astype(np.float32) if capture is not None else
-            synthetic.clustered(FLAGS.keys, FLAGS.head_dim, seed=layer).astype(np.float32))
+    keys = head_keys(layer, capture)
     sample = np.random.default_rng(layer).choice(len(keys), min(FLAGS.candidates_only, len(keys)), replace=False)
     for block, probes in parse_configs(FLAGS.configs):
       t = time.perf_counter()

@@ -142,6 +142,16 @@ def _prepare(queries, keys, k, key_lengths):
   return key_lengths.astype(jnp.int32)
 
 
+def _blocks(q_heads: int, num_keys: int, block_q, block_n) -> tuple[int, int]:
+  """Checked (block_q, block_n), defaults filled: every key a chunk, and query blocks of up to
+  1024 that keep a block's scores within _SCORE_BLOCK floats."""
+  for name, val in (("block_q", block_q), ("block_n", block_n)):
+    if val is not None and val < 1:
+      raise ValueError(f"{name}={val} must be >= 1")
+  block_n = block_n or max(1, num_keys)
+  return block_q or max(1, min(1024, _SCORE_BLOCK // (q_heads * block_n))), block_n
+
+
 def _pad_k(scores, ids, k):
   """Pads a [..., n] result to [..., k] with score -inf and id -1."""
   extra = k - scores.shape[-1]
@@ -179,19 +189,15 @@ def exact_topk(
       fewer than k keys exist.
   """
   key_lengths = _prepare(queries, keys, k, key_lengths)
-  for name, val in (("block_q", block_q), ("block_n", block_n)):
-    if val is not None and val < 1:
-      raise ValueError(f"{name}={val} must be >= 1")
   q_heads, num_q, _ = queries.shape
   num_keys = keys.shape[1]
+  block_q, block_n = _blocks(q_heads, num_keys, block_q, block_n)
   if k == 0 or num_q == 0 or num_keys == 0:
     shape = (q_heads, num_q, k)
     return jnp.full(shape, _NEG_INF, jnp.float32), jnp.full(shape, -1, jnp.int32)
   keff = min(k, num_keys)
   queries = queries.astype(jnp.promote_types(queries.dtype, keys.dtype))
   keys = keys.astype(queries.dtype)
-  block_n = block_n or num_keys
-  block_q = block_q or max(1, min(1024, _SCORE_BLOCK // (q_heads * block_n)))
   scores, ids = _exact_topk(queries, keys, key_lengths, k=keff, block_q=block_q, block_n=block_n)
   return _pad_k(scores, ids, k)
 
@@ -243,14 +249,10 @@ def nearest_keys(
   if not isinstance(count, int) or isinstance(count, bool) or count < 1:
     raise ValueError(f"{count=} must be a python int >= 1")
   key_lengths = _prepare(keys, keys, count, key_lengths)
-  for name, val in (("block_q", block_q), ("block_n", block_n)):
-    if val is not None and val < 1:
-      raise ValueError(f"{name}={val} must be >= 1")
   heads, num_keys, _ = keys.shape
+  block_q, block_n = _blocks(heads, num_keys, block_q, block_n)
   if num_keys == 0:
     return jnp.full((heads, 0, count), -1, jnp.int32)
-  block_n = block_n or num_keys
-  block_q = block_q or max(1, min(1024, _SCORE_BLOCK // (heads * block_n)))
   return _nearest_keys(keys, key_lengths, count=count, block_q=block_q, block_n=block_n)
 
 

@@ -148,8 +148,7 @@ def test_index_overflow_indexes_only_pairs_behind_by_more_than_the_tail():
   rng = np.random.default_rng(3)
   L, Hkv, n, D = 2, 1, 20, 8
   keys, values = rng.standard_normal((2, L, Hkv, n, D)).astype(np.float32)
-  runtime = _runtime(keys, values, topk=4,
-                     tail_slots=4, kind="graph")
+  runtime = _runtime(keys, values, topk=4, tail_slots=4, kind="graph")
   try:
     context = runtime.context
     for layer, extra in ((0, 6), (1, 3)):  # layer 0 past the 4 tail slots, layer 1 within them

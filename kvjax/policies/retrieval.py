@@ -567,22 +567,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       context.append(b, layer, 0, np.asarray(keys), np.asarray(values))
       t1 = time.perf_counter()
       times.offload += t1 - t0
+      roar = {}
       if self.index == "roar":
         count = -(-int(n) // stride)  # training queries at positions 0, stride, ... < n
         queries = state.train_q[layer, b, :, :count]  # [Hq, count, D]
         ids = _train_topk(queries, keys, min(self.train_topk, end - S))
         t2 = time.perf_counter()
         cand = _connect_candidates(keys)
-        t3 = time.perf_counter()
         times.train_topk += t2 - t1
-        times.candidates += t3 - t2
-        context.build_layer(layer, seqs=[b], train_queries=np.asarray(queries, np.float32)[None],
-                            train_topk=ids[None], connect_candidates=None if cand is None else cand[None], wait=False)
-        times.queue += time.perf_counter() - t3
-      else:
-        t3 = time.perf_counter()
-        context.build_layer(layer, seqs=[b], wait=False)
-        times.queue += time.perf_counter() - t3
+        times.candidates += time.perf_counter() - t2
+        roar = dict(train_queries=np.asarray(queries, np.float32)[None], train_topk=ids[None],
+                    connect_candidates=None if cand is None else cand[None])
+      t3 = time.perf_counter()
+      context.build_layer(layer, seqs=[b], wait=False, **roar)
+      times.queue += time.perf_counter() - t3
     return state
 
   def finish_prefill(self, cfg: ModelConfig, state: RetrievalState, on_progress=None) -> RetrievalState:
