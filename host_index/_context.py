@@ -15,6 +15,7 @@ appends to the store and extends the indexes, `append` only stores.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 
 import numpy as np
@@ -209,8 +210,11 @@ class HostContext:
         the same time (bench_build_qwen_shapes_32k.md: 17.4 vs 17.9 s for 112
         graphs of 31K keys). `wait_builds` waits for the queued builds (and
         raises a build's error); a layer must not be searched, inserted into
-        or rebuilt before then. Arguments are checked before anything is
-        queued.
+        or rebuilt before then, nor the arrays passed in written to (each
+        build copies its rows on its own thread: 90 ms a layer on the
+        caller's thread, Qwen2.5 shapes at 32K on the H200 host, while the
+        earlier layers' builds held every core). Arguments are checked
+        before anything is queued.
 
         Args:
             layer: the layer.
@@ -249,22 +253,21 @@ class HostContext:
                 raise ValueError(f"{name} shape {shape} must start with [{len(seqs)} seqs, {heads} {kind} heads]")
         per_build = None if threads is None else _dtypes.positive_int(threads, "threads")
         G = 1 if self.per_q_head else self.group
-        runs = []  # validated builds, one per (seq, index head)
+        jobs = []  # one per (seq, index head), each given its arguments checked but uncopied
         for si, s in enumerate(seqs):
             n = self.store.length(s, layer)
-            per_s = [None if a is None else np.asarray(a[si]) for a in (train_queries, train_topk)]
+            tq, tk, cand = (None if a is None else a[si] for a in (train_queries, train_topk, connect_candidates))
+            tq, tk = _index.check_train_args(self.kind, n, self.store.head_dim, tq, tk, ndim=3)
+            cand = _index.check_connect_candidates(self.kind, n, cand, ndim=3)
             for h, ix in enumerate(self._ix[s][layer]):
-                tq, tk = (None if a is None else group_rows(a, h, G) for a in per_s)
-                cand = None if connect_candidates is None else np.asarray(
-                    connect_candidates[si][h // self.group if self.per_q_head else h])
-                runs.append(ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=cand))
+                jobs.append(functools.partial(_build_head, ix, n, h, G, self.group, self.per_q_head, tq, tk, cand))
         if not wait:
             if self._builder is None:
                 self._builder = concurrent.futures.ThreadPoolExecutor(_cores(), thread_name_prefix="host_index-build")
-            self._builds += [self._builder.submit(run, 1) for run in runs]
+            self._builds += [self._builder.submit(job, 1) for job in jobs]
             return
-        for run in runs:
-            run(per_build)
+        for job in jobs:
+            job(per_build)
 
     def wait_builds(self) -> None:
         """Waits for every build queued by build_layer(wait=False) and stops the build
@@ -704,6 +707,16 @@ def group_rows(a, g: int, G: int) -> np.ndarray:
         return a[g]
     part = a[g * G:(g + 1) * G]  # [G, M, X]
     return np.ascontiguousarray(part.transpose(1, 0, 2)).reshape(-1, part.shape[2])
+
+
+def _build_head(ix, n, h, G, group, per_q_head, train_queries, train_topk, candidates, threads) -> None:
+    """Builds index head h over n keys from its layer's checked per-head arguments
+    ([Hq, M, D], [Hq, M, N_q], [Hkv, N, C]): their copies for the C call (h's rows, int64 ids,
+    contiguous) are made here, on the build's own thread, so a caller queuing builds
+    (build_layer(wait=False)) does not wait for them while every core builds."""
+    tq, tk = (None if a is None else group_rows(a, h, G) for a in (train_queries, train_topk))
+    cand = None if candidates is None else candidates[h // group if per_q_head else h]
+    ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=cand)(threads)
 
 
 def _covered(indexes) -> int:

@@ -61,8 +61,8 @@ def as_raw16(x, what: str, *, ndim: int) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(a), RAW16
 
 
-def as_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:
-    """A finite, C-contiguous float32 copy/view of a float array.
+def check_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:
+    """x as an array, checked as `as_f32` checks it but read only (no copy, no temporary).
 
     Raises:
         TypeError / ValueError: bad dtype, rank, last dimension, or NaN/inf.
@@ -74,14 +74,23 @@ def as_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:
         raise ValueError(f"{what}: expected {ndim} dimensions, got shape {a.shape}")
     if dim is not None and a.shape[-1] != dim:
         raise ValueError(f"{what}: last dimension {a.shape[-1]} != head_dim {dim}")
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    if not np.isfinite(a).all():
+    # min and max propagate NaN and reach +-inf, so both are finite only for finite arrays
+    if a.size and not (np.isfinite(a.min()) and np.isfinite(a.max())):
         raise ValueError(f"{what}: contains NaN or inf")
     return a
 
 
-def as_ids(x, what: str, *, ndim: int) -> np.ndarray:
-    """A C-contiguous int64 copy/view of an integer array.
+def as_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:
+    """A finite, C-contiguous float32 copy/view of a float array.
+
+    Raises:
+        TypeError / ValueError: bad dtype, rank, last dimension, or NaN/inf.
+    """
+    return np.ascontiguousarray(check_f32(x, what, ndim=ndim, dim=dim), dtype=np.float32)
+
+
+def check_ids(x, what: str, *, ndim: int) -> np.ndarray:
+    """x as an integer array of rank ndim (no copy).
 
     Raises:
         TypeError: not an integer array.
@@ -92,7 +101,17 @@ def as_ids(x, what: str, *, ndim: int) -> np.ndarray:
         raise TypeError(f"{what}: dtype {a.dtype} is not an integer type")
     if a.ndim != ndim:
         raise ValueError(f"{what}: expected {ndim} dimensions, got shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return a
+
+
+def as_ids(x, what: str, *, ndim: int) -> np.ndarray:
+    """A C-contiguous int64 copy/view of an integer array.
+
+    Raises:
+        TypeError: not an integer array.
+        ValueError: wrong rank.
+    """
+    return np.ascontiguousarray(check_ids(x, what, ndim=ndim), dtype=np.int64)
 
 
 def positive_int(v, what: str, *, allow_zero: bool = False) -> int:

@@ -251,44 +251,60 @@ class Index:
         self._c.insert(buf, code, head, cap, n_total, queries, _threads(threads))
 
 
-def _train_args(kind, n, dim, train_queries, train_topk):
-    """Validated (train_queries f32 | None, train_topk int64 | None, m, nq)."""
+def check_train_args(kind, n, dim, train_queries, train_topk, *, ndim: int = 2):
+    """Checks roar's training arguments, [..., M, D] queries and [..., M, N_q] ids (ndim
+    dimensions each), by reading them; returns them as arrays, uncopied."""
     if kind != "roar":
         if train_queries is not None or train_topk is not None:
             raise ValueError(f"train_queries/train_topk do not apply to kind={kind!r}")
-        return None, None, 0, 0
+        return None, None
     tq = tk = None
-    m = nq = 0
     if train_queries is not None:
-        tq = _dtypes.as_f32(train_queries, "train_queries", ndim=2, dim=dim)
-        m = tq.shape[0]
+        tq = _dtypes.check_f32(train_queries, "train_queries", ndim=ndim, dim=dim)
     if train_topk is not None:
-        tk = _dtypes.as_ids(train_topk, "train_topk", ndim=2)
-        if tq is not None and tk.shape[0] != m:
-            raise ValueError(f"train_topk has {tk.shape[0]} rows, train_queries {m}")
-        m, nq = tk.shape
+        tk = _dtypes.check_ids(train_topk, "train_topk", ndim=ndim)
+        if tq is not None and tk.shape[:-1] != tq.shape[:-1]:
+            raise ValueError(f"train_topk has {tk.shape[:-1]} rows, train_queries {tq.shape[:-1]}")
         if tk.size and (tk.min() < -1 or tk.max() >= n):
             raise ValueError(f"train_topk ids out of range: must lie in [-1, {n}) (-1 = padding)")
     if n > 0 and tq is None and tk is None:
         raise ValueError("kind='roar' needs train_queries [M, D] and/or train_topk [M, N_q]")
-    return tq, tk, m, nq
+    return tq, tk
+
+
+def _train_args(kind, n, dim, train_queries, train_topk):
+    """Validated (train_queries f32 | None, train_topk int64 | None, m, nq)."""
+    tq, tk = check_train_args(kind, n, dim, train_queries, train_topk)
+    if tq is not None:
+        tq = np.ascontiguousarray(tq, dtype=np.float32)
+    if tk is not None:
+        tk = np.ascontiguousarray(tk, dtype=np.int64)
+    m = 0 if tq is None and tk is None else (tq if tk is None else tk).shape[0]
+    return tq, tk, m, 0 if tk is None else tk.shape[1]
 
 
 MAX_CONNECT_CANDIDATES = 1024
 
 
-def _connect_candidates(kind, n, candidates):
-    """Validated roar connectivity candidates [n, C] int32 (C <= MAX_CONNECT_CANDIDATES), or None."""
+def check_connect_candidates(kind, n, candidates, *, ndim: int = 2):
+    """Checks roar's connectivity candidates, [..., n, C] int ids (ndim dimensions), by reading
+    them; returns them as an array, uncopied (or None)."""
     if candidates is None:
         return None
     if kind != "roar":
         raise ValueError(f"connect_candidates do not apply to kind={kind!r}")
-    c = _dtypes.as_ids(candidates, "connect_candidates", ndim=2)
-    if c.shape[0] != n or not 0 < c.shape[1] <= MAX_CONNECT_CANDIDATES:
+    c = _dtypes.check_ids(candidates, "connect_candidates", ndim=ndim)
+    if c.shape[-2] != n or not 0 < c.shape[-1] <= MAX_CONNECT_CANDIDATES:
         raise ValueError(f"connect_candidates shape {c.shape} must be [{n} keys, 1..{MAX_CONNECT_CANDIDATES}]")
     if c.size and (c.min() < -1 or c.max() >= n):
         raise ValueError(f"connect_candidates ids out of range: must lie in [-1, {n}) (-1 = padding)")
-    return np.ascontiguousarray(c, dtype=np.int32)
+    return c
+
+
+def _connect_candidates(kind, n, candidates):
+    """Validated roar connectivity candidates [n, C] int32 (C <= MAX_CONNECT_CANDIDATES), or None."""
+    c = check_connect_candidates(kind, n, candidates)
+    return None if c is None else np.ascontiguousarray(c, dtype=np.int32)
 
 
 def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None,
