@@ -49,7 +49,7 @@ flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculat
                    "latest search while its query stays within this cosine of that search's query; unset: every "
                    "head searches every step.")
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
-                     "per_step's `successors`, whose default there is its lag).")
+                     "per_step's `successors`, whose default there is twice its lag).")
 flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
 flags.DEFINE_integer("gil_probe_steps", 8, "Steps run again after the timed ones beside a thread that needs the GIL "
                      "(experiments/gil_probe.py): how long the decode loop's main thread would wait for it.")

@@ -51,7 +51,7 @@ POLICIES = {
     "retrieval_step_lag1_kv": ("retrieval", {"bridge": "per_step", "lag": 1, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv": ("retrieval", {"bridge": "per_step", "lag": 2, "roar_heads": "kv"}),
     "retrieval_step_lag2_kv_spec": ("retrieval", _STEP_SPEC),
-    # successors off: what the default successors (= lag) cost, side by side (a decode option: it
+    # successors off: what the default successors (= 2 * lag) cost, side by side (a decode option: it
     # reloads the spec row's context when both run)
     "retrieval_step_lag2_kv_spec_s0": ("retrieval", _STEP_SPEC | {"successors": 0}),
     # host threads at the caller's priority (background_nice 0), as before 2026-12-03: what

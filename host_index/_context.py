@@ -210,11 +210,12 @@ class HostContext:
         the same time (bench_build_qwen_shapes_32k.md: 17.4 vs 17.9 s for 112
         graphs of 31K keys). `wait_builds` waits for the queued builds (and
         raises a build's error); a layer must not be searched, inserted into
-        or rebuilt before then, nor the arrays passed in written to (each
-        build copies its rows on its own thread: 90 ms a layer on the
-        caller's thread, Qwen2.5 shapes at 32K on the H200 host, while the
-        earlier layers' builds held every core). Arguments are checked
-        before anything is queued.
+        or rebuilt before then, nor the arrays passed in written to: each
+        build copies its rows on its own thread (on the caller's, the copies
+        took ~90 ms a layer while the earlier layers' builds held every core,
+        15 ms now: Qwen2.5 at 32K on the H200 host; the builds themselves
+        are that prefill's critical path). Arguments are checked before
+        anything is queued.
 
         Args:
             layer: the layer.

@@ -63,7 +63,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
                        "step t - lag (1: host works between steps; 2: while the device computes).")
   flags.DEFINE_integer("successors", None, "retrieval per_step bridge: tokens following each retrieved one also "
-                       "attended (default: lag; 0: none), for heads that read on from where a previous step's query "
+                       "attended (default: 2 * lag; 0: none), for heads that read on from where a previous step's query "
                        "found them.")
   flags.DEFINE_integer("successor_sources", None, "retrieval per_step bridge: how many of each head's best "
                        "retrieved ids get successors (default 8).")

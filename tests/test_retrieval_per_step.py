@@ -405,14 +405,14 @@ def test_padded_size_is_a_short_ladder():
   assert len(set(sizes)) < 40
 
 
-def test_successors_default_to_the_lag_on_the_per_step_bridge_only():
-  assert RetrievalAttention(bridge="per_step", lag=2).successors == 2
-  assert RetrievalAttention(bridge="per_step").successors == 1
+def test_successors_default_to_twice_the_lag_on_the_per_step_bridge_only():
+  assert RetrievalAttention(bridge="per_step", lag=2).successors == 4
+  assert RetrievalAttention(bridge="per_step").successors == 2
   assert RetrievalAttention(bridge="per_step", lag=2, successors=0).successors == 0
   assert RetrievalAttention().successors == 0  # per_layer searches with the step's own query
   policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4)  # successors of the best 8
-  assert policy.slots_per_head == 10 + 8 * 2 + 4 and "+2 following tokens of the best 8" in policy.describe()
-  assert RetrievalAttention(bridge="per_step", lag=2, topk=5, tail_slots=4).slots_per_head == 5 * 3 + 4
+  assert policy.slots_per_head == 10 + 8 * 4 + 4 and "+4 following tokens of the best 8" in policy.describe()
+  assert RetrievalAttention(bridge="per_step", lag=2, topk=5, tail_slots=4).slots_per_head == 5 * 5 + 4
 
 
 LAYER_OPS = 56  # a ceiling: 53 now, 68.5 with the per-layer ring copies; full's layer: 31

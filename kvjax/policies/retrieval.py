@@ -188,8 +188,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection.
   successors: per_step only: the tokens following each of a head's best `successor_sources`
-    retrieved ids also attended (default: `lag`; 0 turns them off), for heads that move one
-    position a step through a span the older query found (kvjax.prefetch_runtime.successor_ids);
+    retrieved ids also attended (default: 2 * `lag`; 0 turns them off), for heads that move one
+    position a step through a span the older query found (kvjax.prefetch_runtime.successor_ids).
+    Twice the lag, because the older query may have found the token before the one it read: on
+    RULER niah_single_2 at 32K (Qwen2.5, lag 2 speculative, 50 paired samples) 4 kept every
+    7-digit number whole where 2 cut two short, at the same ms a token
+    (experiments/results/ruler_qwen_32k_niah2_variants_50.md);
     the row buffers hold topk + min(successor_sources, topk) * successors + tail_slots rows per
     query head.
   successor_sources: per_step only: how many of each head's best retrieved ids get successors
@@ -261,8 +265,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"lag={self.lag}; expected 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
       raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
-    if self.successors is None:  # lag 2's selection is two positions behind a copying head
-      object.__setattr__(self, "successors", self.lag if self.bridge == "per_step" else 0)
+    if self.successors is None:  # lag 2's selection is two positions (or more) behind a copying head
+      object.__setattr__(self, "successors", 2 * self.lag if self.bridge == "per_step" else 0)
     if self.successors < 0:
       raise ValueError(f"successors={self.successors} must be >= 0")
     if self.successors and self.bridge != "per_step":
