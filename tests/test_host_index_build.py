@@ -77,6 +77,13 @@ def test_bad_input_raises_before_anything_is_queued():
         ctx.build_layer(0, train_queries=train[0], train_topk=wraps, wait=False)
     with pytest.raises(ValueError, match="threads"):
         ctx.build_layer(0, train_queries=train[0], threads=0)
+    for bad_value in (np.nan, np.inf, -np.inf):  # checked by reading: min and max, no copy
+        bad_queries = np.array(train[0])
+        bad_queries[S - 1, HQ - 1, M - 1, 0] = bad_value
+        with pytest.raises(ValueError, match="train_queries: contains NaN or inf"):
+            ctx.build_layer(0, train_queries=bad_queries, wait=False)
+    with pytest.raises(ValueError, match="train_topk has"):  # rows that do not pair up
+        ctx.build_layer(0, train_queries=train[0], train_topk=np.zeros((S, HQ, M - 1, 5), np.int32), wait=False)
     assert ctx._builds == [] and ctx._builder is None
     ctx.wait_builds()  # nothing queued: a no-op
     assert all(ctx.indexed(s, 0) == 0 for s in range(S))
