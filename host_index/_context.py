@@ -261,7 +261,8 @@ class HostContext:
             tq, tk = _index.check_train_args(self.kind, n, self.store.head_dim, tq, tk, ndim=3)
             cand = _index.check_connect_candidates(self.kind, n, cand, ndim=3)
             for h, ix in enumerate(self._ix[s][layer]):
-                jobs.append(functools.partial(_build_head, ix, n, h, G, self.group, self.per_q_head, tq, tk, cand))
+                kv = h // self.group if self.per_q_head else h
+                jobs.append(functools.partial(_build_head, ix, n, h, G, tq, tk, None if cand is None else cand[kv]))
         if not wait:
             if self._builder is None:
                 self._builder = concurrent.futures.ThreadPoolExecutor(_cores(), thread_name_prefix="host_index-build")
@@ -710,14 +711,14 @@ def group_rows(a, g: int, G: int) -> np.ndarray:
     return np.ascontiguousarray(part.transpose(1, 0, 2)).reshape(-1, part.shape[2])
 
 
-def _build_head(ix, n, h, G, group, per_q_head, train_queries, train_topk, candidates, threads) -> None:
-    """Builds index head h over n keys from its layer's checked per-head arguments
-    ([Hq, M, D], [Hq, M, N_q], [Hkv, N, C]): their copies for the C call (h's rows, int64 ids,
-    contiguous) are made here, on the build's own thread, so a caller queuing builds
-    (build_layer(wait=False)) does not wait for them while every core builds."""
+def _build_head(ix, n, h, G, train_queries, train_topk, candidates, threads) -> None:
+    """Builds index head h over n keys from its layer's checked training arguments ([Hq, M, D],
+    [Hq, M, N_q]; h's rows are group_rows(., h, G)) and its KV head's candidates [N, C]: their
+    copies for the C call (h's rows, int64 ids, contiguous) are made here, on the build's own
+    thread, so a caller queuing builds (build_layer(wait=False)) does not wait for them while
+    every core builds."""
     tq, tk = (None if a is None else group_rows(a, h, G) for a in (train_queries, train_topk))
-    cand = None if candidates is None else candidates[h // group if per_q_head else h]
-    ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=cand)(threads)
+    ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=candidates)(threads)
 
 
 def _covered(indexes) -> int:

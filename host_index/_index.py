@@ -279,8 +279,8 @@ def _train_args(kind, n, dim, train_queries, train_topk):
         tq = np.ascontiguousarray(tq, dtype=np.float32)
     if tk is not None:
         tk = np.ascontiguousarray(tk, dtype=np.int64)
-    m = 0 if tq is None and tk is None else (tq if tk is None else tk).shape[0]
-    return tq, tk, m, 0 if tk is None else tk.shape[1]
+    rows = tk if tk is not None else tq  # both given: check_train_args paired their rows
+    return tq, tk, 0 if rows is None else rows.shape[0], 0 if tk is None else tk.shape[1]
 
 
 MAX_CONNECT_CANDIDATES = 1024
