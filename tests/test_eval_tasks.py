@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 
 from kvjax import eval as kveval
-from kvjax.eval import sizing
+from kvjax.eval import layout, sizing, words
 from models.registry import smollm2_gguf_path
 from models.tokenizer import Tokenizer
 
@@ -90,6 +90,23 @@ def test_multi_needle_depths_are_rulers(tok):
     kveval.make_sample("cwe", tok, length=LENGTH, depth=0.5)
 
 
+class _MergingTokenizer:
+  """Words are tokens, and so is a newline, except right after a period (".\n" is one token,
+  as in Qwen2.5's vocabulary): a unit counted alone with its separator costs one token more
+  than it does inside the joined text."""
+
+  def encode(self, text, *, add_bos=None):
+    return re.findall(r"(?<!\.)\n|[^\s]+", text)
+
+
+def test_layout_fills_the_target_where_the_tokenizer_merges_across_units():
+  units = (f"One of the special magic numbers for key-{i} is: {1_000_000 + i}." for i in range(10**6))
+  built = layout.fit_layout(_MergingTokenizer(), units, ["The needle is: 7."], [0.5],
+                            lambda context: (context, 0), length=2000, sep="\n")
+  assert 2000 * (1 - sizing.DEFAULT_TOLERANCE) <= built.tokens <= 2000
+  assert built.tokens == len(_MergingTokenizer().encode(built.text))
+
+
 def test_too_short_a_target_is_refused(tok):
   with pytest.raises(ValueError, match="tokens"):
     kveval.make_sample("niah_single_2", tok, length=40)
@@ -157,6 +174,18 @@ def test_cwe_answers_are_the_most_common_words(tok, length):
   assert {w for w, _ in counts[:10]} == set(sample.answers)
   assert counts[9][1] > counts[10][1]
   assert counts[0][1] == sample.meta["freq_cw"] and counts[10][1] == sample.meta["freq_ucw"]
+
+
+def test_cwe_runs_on_past_the_word_list_with_compounds(tok):
+  """535 listed words fill ~13K tokens; longer prompts add adjective + noun compounds, all distinct."""
+  sample = kveval.make_sample("cwe", tok, length=20_000, seed=1)
+  assert 20_000 * (1 - sizing.DEFAULT_TOLERANCE) <= sample.tokens <= 20_000
+  items = re.findall(r"\d+\. (\S+)", sample.context)
+  distinct = set(items)
+  assert len(distinct) == sample.meta["num_words"] > len(words.ALL_WORDS)
+  assert set(sample.answers) <= set(words.ALL_WORDS)  # the common words stay real words
+  counts = collections.Counter(items).most_common()
+  assert {w for w, _ in counts[:10]} == set(sample.answers) and counts[10][1] == sample.meta["freq_ucw"]
 
 
 def test_fwe_answers_are_the_most_frequent_coded_words(tok):

@@ -4,8 +4,10 @@ Common words extraction (CWE): a numbered list "1. word 2. word ..." in which `n
 common words appear `freq_cw` = 30 times each and every other word `freq_ucw` = 3 times
 (RULER's settings from 4K tokens on; below 4K it uses 6 and 1); the question asks for the 10
 most common words. One worked example (40 words, 10 / 3 repeats; 20 words, 3 / 1 below 4K)
-precedes the prompt, as in RULER. Words come from kvjax.eval.words. The prompt grows with
-the number of distinct uncommon words.
+precedes the prompt, as in RULER. Words come from kvjax.eval.words (535, enough for ~13K tokens
+of Qwen2.5's); past them the uncommon words are adjective + noun compounds ("quietriver"), where
+RULER draws every word from wonderwords' English lists, which kvjax does not ship. The common
+words are always real words. The prompt grows with the number of distinct uncommon words.
 
 Frequent words extraction (FWE): "coded" words of `coded_wordlen` = 6 random lower-case
 letters, a vocabulary of length // 50 of them, word k (1-based rank) appearing
@@ -45,6 +47,14 @@ def _word_list(vocab: list[str], num_words: int, num_cw: int, freq_cw: int, freq
   return items, common
 
 
+def _compound_words(rng: random.Random) -> list[str]:
+  """Adjective + noun compounds ("quietriver"), shuffled: uncommon words past the word list."""
+  known = set(words.ALL_WORDS)
+  out = [w for w in dict.fromkeys(a + n for a in words.ADJECTIVES for n in words.NOUNS) if w not in known]
+  rng.shuffle(out)
+  return out
+
+
 def common_words(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0, num_cw: int = 10,
                  freq_cw: int | None = None, freq_ucw: int | None = None,
                  tolerance: float = sizing.DEFAULT_TOLERANCE) -> Sample:
@@ -61,6 +71,7 @@ def common_words(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
   example = CWE_TEMPLATE.format(context=_numbered(ex_items)) + "\n" + CWE_PREFIX + " " + _numbered(ex_common) + "\n\n"
   rng.shuffle(vocab)  # prefix-stable: n words are always vocab[:n]
   shuffle_seed = rng.getrandbits(64)
+  vocab += _compound_words(random.Random(f"cwe/{seed}/compounds"))
   head, tail = CWE_TEMPLATE.split("{context}")
 
   def build(n: int):
@@ -69,8 +80,9 @@ def common_words(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
     return example + head + context + tail, len(example) + len(head), context, common
 
   (text, start, context, common), n, tokens = sizing.fit_units(
-      build, lambda b: b[0], tokenizer, target=length, max_units=len(vocab), min_units=num_cw + 1,
-      tolerance=tolerance)
+      build, lambda b: b[0], tokenizer, target=length, min_units=num_cw + 1, tolerance=tolerance,
+      # Every listed word costs at least two tokens ("12." and the word), freq_ucw times: a bound on n.
+      max_units=min(len(vocab), num_cw + length // (2 * freq_ucw) + 1))
   return Sample(task="cwe", text=text, answers=tuple(common), metric="all", answer_prefix=CWE_PREFIX, length=length,
                 tokens=tokens, depth=None, needle_depths=(), context_span=(start, start + len(context)),
                 needle_spans=(), max_new_tokens=120, seed=seed,
