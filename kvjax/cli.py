@@ -21,6 +21,7 @@ POLICY_FLAGS = {
     "page_size": "page_size",
     "speculative": "speculative",
     "tau": "tau",
+    "correct_mass": "correct_mass",
     "dense_layers": "dense_layers",
     "bridge": "bridge",
     "roar_heads": "roar_heads",
@@ -56,6 +57,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("page_size", None, "Tokens per page (freekv, quest).")
   flags.DEFINE_boolean("speculative", None, "Reuse the previous step's selection, correct drifted heads.")
   flags.DEFINE_float("tau", None, "Correction threshold on the group-mean query cosine similarity.")
+  flags.DEFINE_float("correct_mass", None, "freekv --speculative: also correct heads whose reused pages lack more "
+                     "than this share of the current query's pooled page scores (default: the cosine rule alone).")
   flags.DEFINE_list("dense_layers", None, "Layers kept dense under a sparse policy.")
   flags.DEFINE_enum("bridge", None, ["per_layer", "per_step"],
                     "Host bridge of retrieval and freekv: a callback per layer inside the step, or one host "

@@ -108,6 +108,40 @@ def test_speculative_with_tau_one_equals_non_speculative_under_a_small_budget():
   assert 0 < sync.policy_stats["hit_rate"] < 1
 
 
+def test_correcting_every_changed_selection_equals_non_speculative():
+  """correct_mass 0 corrects a head whenever its new selection holds a page the reused one lacks
+  (tau 0 leaves the cosine rule out), so every step attends the current query's pages, as
+  without speculation, while heads whose selection did not change reuse it."""
+  budget = 4 + 8 + 4 * 3
+  sync = run(budget=budget, speculative=False, dense_layers=())
+  spec = run(budget=budget, speculative=True, tau=0.0, correct_mass=0.0, dense_layers=())
+  np.testing.assert_allclose(spec.logits, sync.logits, rtol=0, atol=1e-5)
+  assert spec.tokens == sync.tokens
+  assert 0 < spec.policy_stats["correction_rate"] < 1
+  cosine_only = run(budget=budget, speculative=True, tau=0.0, dense_layers=())
+  assert cosine_only.policy_stats["correction_rate"] < spec.policy_stats["correction_rate"]
+  never = run(budget=budget, speculative=True, tau=0.0, correct_mass=1.0, dense_layers=())  # mass <= 1 always
+  np.testing.assert_array_equal(never.logits, cosine_only.logits)
+
+
+def test_per_step_only_counts_the_mass_corrections():
+  budget = 4 + 8 + 4 * 3
+  plain = run(budget=budget, bridge="per_step", tau=0.0, dense_layers=())
+  counted = run(budget=budget, bridge="per_step", tau=0.0, correct_mass=0.0, dense_layers=())
+  np.testing.assert_array_equal(counted.logits, plain.logits)
+  assert counted.policy_stats["correction_rate"] > plain.policy_stats["correction_rate"]
+
+
+def test_lost_mass_counts_only_pages_the_reused_selection_lacks():
+  pooled = np.array([[[0.5, 0.2, 0.2, 0.1]]], np.float32)  # [B=1, H=1, N=4]
+  selection = np.array([[[0, 2, -1]]], np.int32)
+  reused = np.array([[[2, 3, -1]]], np.int32)
+  lost = freekv_policy._lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(reused))
+  np.testing.assert_allclose(np.asarray(lost), [[0.5]])  # page 0 is new, page 2 was held, -1 is no page
+  same = freekv_policy._lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(selection))
+  np.testing.assert_array_equal(np.asarray(same), [[0.0]])
+
+
 def _reference_selection(q, kmax, kmin, num_candidates, n_sel, scale):
   """NumPy: per query head softmax over candidate pages of Σ_d max(q·max, q·min), group mean, top n_sel."""
   B, Hq, D = q.shape
@@ -167,6 +201,9 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(budget=512), "budget=512"),
     (dict(tau=1.5), "tau=1.5"),
     (dict(tau=-0.1), "tau=-0.1"),
+    (dict(correct_mass=1.5), "correct_mass=1.5"),
+    (dict(correct_mass=True), "correct_mass=True"),
+    (dict(speculative=False, correct_mass=0.1), "applies to speculative=True"),
     (dict(max_recall=0), "max_recall=0"),
     (dict(max_recall=33), "max_recall=33"),
     (dict(page_size=0), "page_size=0"),

@@ -447,6 +447,18 @@ def _needs_correction(
   return ~primed | (group_cos < tau) | (tau >= 1.0)
 
 
+def _lost_mass(
+    pooled,  # [B, Hkv, N] float32: this query's group-pooled page scores (pool_scores; sum 1 over candidates)
+    selection,  # [B, Hkv, n] int32: this query's pages, -1 padded
+    reused,  # [B, Hkv, n] int32: the pages a speculative step would attend instead
+):
+  """[B, Hkv] float32: the pooled score mass of the pages this query selects that the reused
+  selection lacks: what reusing it would lose, by the page summaries' estimate."""
+  new = (selection >= 0) & ~_member(selection, reused)
+  mass = jnp.take_along_axis(pooled, jnp.maximum(selection, 0), axis=-1)
+  return jnp.sum(jnp.where(new, mass, 0.0), axis=-1)
+
+
 # -- the policy ------------------------------------------------------------------------------
 
 
@@ -463,6 +475,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     speculative: reuse the previous step's pages, correcting heads whose group-mean cosine
       similarity of consecutive queries is below tau.
     tau: correction threshold in [0, 1]; 1 corrects every head.
+    correct_mass: also correct heads whose new selection's pages missing from the reused one
+      carry more than this share of the group-pooled page scores (the attention reuse would
+      lose, as the page summaries estimate it), in [0, 1]; 0 corrects whenever the selection
+      changed. None (the default): FreeKV's cosine rule alone. A query turning to another
+      needle can stay within tau of the previous one: on Qwen2.5 niah_multiquery at 32K tau 0.8
+      corrected 2.3% of the heads and freekv lost 0.12 against full
+      (experiments/results/ruler_qwen_32k_multiquery_a.md). per_step only counts.
     max_recall: most pages recalled per (seq, KV head) per phase and step (None: n_sel).
     bridge: "per_layer" (one host callback per sparse layer inside the step: synchronous
       correction) or "per_step" (one host exchange between steps, no callback: see "The
@@ -501,6 +520,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   window: int = 512
   speculative: bool = True
   tau: float = 0.8
+  correct_mass: float | None = None
   max_recall: int | None = None
   dense_layers: tuple[int, ...] = (0,)
   implementation: str = "auto"
@@ -513,7 +533,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   reserved_cores: int | None = None
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "implementation", "transfer", "sync_transfer", "background_nice",
+  decode_options = ("speculative", "tau", "correct_mass", "implementation", "transfer", "sync_transfer", "background_nice",
                     "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # the prompt's last query (prev_q)
@@ -533,6 +553,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"speculative={self.speculative!r} must be a bool")
     if not (isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0):
       raise ValueError(f"tau={self.tau!r} must lie in [0, 1]")
+    if self.correct_mass is not None:
+      if isinstance(self.correct_mass, bool) or not (
+          isinstance(self.correct_mass, (int, float)) and 0.0 <= self.correct_mass <= 1.0):
+        raise ValueError(f"correct_mass={self.correct_mass!r} must lie in [0, 1] (or be None)")
+      if not self.speculative:
+        raise ValueError(f"correct_mass={self.correct_mass} applies to speculative=True only")
+      object.__setattr__(self, "correct_mass", float(self.correct_mass))
     if self.max_recall is not None and not (
         isinstance(self.max_recall, (int, np.integer)) and 1 <= self.max_recall <= self.n_sel):
       raise ValueError(f"max_recall={self.max_recall!r} must be an int in [1, n_sel={self.n_sel}]")
@@ -595,8 +622,18 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ev_pos = pos - self.window
     return ev_pos, ev_pos >= self.sinks, self.sinks + (ev_pos - self.sinks) % self.ring_len
 
+  def _heads_to_correct(self, q, prev_q, primed, kv_heads: int, selection, prev_sel, pooled):
+    """[B, Hkv] bool: the heads to correct, by tau (`_needs_correction`) and, with correct_mass,
+    by the mass their reused selection would lose (`_lost_mass`; `pooled` () -> [B, Hkv, N])."""
+    correct = _needs_correction(q, prev_q, primed, self.tau, kv_heads)
+    if self.correct_mass is None:
+      return correct
+    return correct | (_lost_mass(pooled(), selection, prev_sel) > self.correct_mass)
+
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
+    if self.correct_mass is not None:
+      spec += f" or lost page mass > {self.correct_mass}"
     if self.bridge == "per_step":
       spec += (", one host exchange per step (pages recalled between steps)" if self.lag == 1 else
                ", one host exchange per step overlapping the next step (pages attended two steps after selection)")
@@ -928,7 +965,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
       reused = jnp.sum(prev_sel >= 0, axis=-1)
       # `correct` only counts the heads per_layer would correct.
-      correct = _needs_correction(q, prev_q, primed, self.tau, H)
+      correct = self._heads_to_correct(q, prev_q, primed, H, selection, prev_sel,
+                                      lambda: pool_scores(scores, c_now))
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
@@ -1011,9 +1049,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     primed = state.primed[layer]
     pool_ids = state.pool_ids[layer]
     reused = jnp.broadcast_to(jnp.sum(prev_sel >= 0, axis=-1), (B, H))
-    correct = jnp.ones((B, H), bool)
-    if self.speculative:
-      correct = _needs_correction(q0, state.prev_q[layer], primed, self.tau, H)
+    prev_q = state.prev_q[layer]
     state = state.replace(**summary_fields, prev_q=state.prev_q.at[layer].set(q0.astype(jnp.float32)),
                           primed=state.primed.at[layer].set(True))
     summary = tuple(x[layer] for x in self._summary(state))
@@ -1021,6 +1057,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     scores = page_summary.scores(q0, summary, scale=cfg.attn_scale, implementation=self._score_impl(cfg))
     pooled_now = pool_scores(scores, c_prev)  # (the same scores serve the next step's selection below)
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
+    correct = jnp.ones((B, H), bool)
+    if self.speculative:
+      correct = self._heads_to_correct(q0, prev_q, primed, H, sel_now, prev_sel, lambda: pooled_now)
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
       sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
