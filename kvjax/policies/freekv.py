@@ -32,9 +32,11 @@ state, in a layer-major prefill or a synthetic context, does this per layer as e
   * with speculation: heads whose group-mean cos(q_t, q_{t-1}) >= tau attend to the pages
     selected at the previous step (already resident); the others are corrected (select +
     recall for q_t before attending; every head on a layer's first step; tau = 1 corrects
-    every head, the exactness check). After attention, the selection for the next step
-    (q_t over the candidates complete after this step's eviction) is made and its missing
-    pages recalled.
+    every head, the exactness check). With `correct_mass` (beyond FreeKV) a head is also
+    corrected when the pages q_t selects and the reused selection lacks hold more than that
+    share of its group-pooled page scores: a query turning to another needle can keep a high
+    cosine. After attention, the selection for the next step (q_t over the candidates
+    complete after this step's eviction) is made and its missing pages recalled.
 
 Recall path of bridge="per_layer". Selection, the missing-page lists and the slot
 of each recalled page are computed on the device; the one `jax.pure_callback` per sparse
@@ -478,7 +480,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     correct_mass: also correct heads whose new selection's pages missing from the reused one
       carry more than this share of the group-pooled page scores (the attention reuse would
       lose, as the page summaries estimate it), in [0, 1]; 0 corrects whenever the selection
-      changed. None (the default): FreeKV's cosine rule alone. A query turning to another
+      gains a page of nonzero score. None (the default): FreeKV's cosine rule alone. A query turning to another
       needle can stay within tau of the previous one: on Qwen2.5 niah_multiquery at 32K tau 0.8
       corrected 2.3% of the heads and freekv lost 0.12 against full
       (experiments/results/ruler_qwen_32k_multiquery_a.md). per_step only counts.
@@ -533,8 +535,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   reserved_cores: int | None = None
   name: str = "freekv"
-  decode_options = ("speculative", "tau", "correct_mass", "implementation", "transfer", "sync_transfer", "background_nice",
-                    "reserved_cores")
+  decode_options = ("speculative", "tau", "correct_mass", "implementation", "transfer", "sync_transfer",
+                    "background_nice", "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # the prompt's last query (prev_q)
 
