@@ -64,7 +64,8 @@ def define_flags() -> None:
                     "Host bridge of retrieval and freekv: a callback per layer inside the step, or one host "
                     "exchange between steps (previous step's selection, no host inside the step).")
   flags.DEFINE_integer("lag", None, "per_step bridge: rows used at step t were selected with the query of "
-                       "step t - lag (1: host works between steps; 2: while the device computes).")
+                       "step t - lag (1: host works between steps; 2: while the device computes; 0, retrieval: "
+                       "each step runs twice, the second on rows its own first-pass queries found).")
   flags.DEFINE_integer("successors", None, "retrieval per_step bridge: tokens following each retrieved one also "
                        "attended (default: 2 * lag; 0: none), for heads that read on from where a previous step's query "
                        "found them.")

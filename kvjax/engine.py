@@ -159,5 +159,8 @@ def decode_step(
   return sample(logits, key, sampling), logits, state
 
 
+# The step that keeps its input state: a policy that runs a step twice (AttentionPolicy.repeats_steps)
+# runs the second pass from the state the first one started from.
+decode_step_kept = _jit_by_layout(decode_step, static_argnames=("cfg", "policy", "sampling"))
 decode_step = _jit_by_layout(decode_step, static_argnames=("cfg", "policy", "sampling"),
                              donate_argnames=("state",))

@@ -373,9 +373,16 @@ def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, 
       break
     t0 = time.perf_counter()
     key, sub = jax.random.split(key)
-    out, logits, state = engine.decode_step(
-        model.params, rope, jnp.asarray(next_tokens), jnp.asarray(positions), state, sub,
-        cfg=cfg, policy=attention, sampling=sampling)
+    step_args = (model.params, rope, jnp.asarray(next_tokens), jnp.asarray(positions))
+    step_options = dict(cfg=cfg, policy=attention, sampling=sampling)
+    if attention.repeats_steps:
+      before = state
+      out, logits, state = engine.decode_step_kept(*step_args, before, sub, **step_options)
+      again = attention.repeat_step(cfg, before, state)
+      if again is not None:  # the second pass replaces the first (same sampling key)
+        out, logits, state = engine.decode_step(*step_args, again, sub, **step_options)
+    else:
+      out, logits, state = engine.decode_step(*step_args, state, sub, **step_options)
     next_tokens = np.asarray(out)  # waits for the step
     t1 = time.perf_counter()
     state = attention.after_step(cfg, state)

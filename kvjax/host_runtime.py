@@ -87,6 +87,7 @@ class HostStats:
   corrected_groups: int = 0  # ... corrected synchronously (query drifted below tau)
   reused_hits: int = 0  # reused ids that are in the current query's exact search result
   reused_total: int = 0
+  repeated_steps: int = 0  # bridge="per_step", lag 0: steps run again on rows searched with their own queries
 
   def as_dict(self) -> dict:
     out = dataclasses.asdict(self)

@@ -25,7 +25,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
 
 @pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
                                           ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2}),
-                                          ("flat", {"lag": 2, "successors": 2})])
+                                          ("flat", {"lag": 2, "successors": 2}), ("flat", {"lag": 0}),
+                                          ("roar", {"lag": 0, "speculative": True, "tau": 0.8})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -91,6 +92,22 @@ def test_speculative_tau_one_searches_every_head_as_without_it():
   np.testing.assert_array_equal(spec.logits, plain.logits)
   assert spec.policy_stats["speculated_groups"] == 0 and spec.policy_stats["corrected_groups"] > 0
   assert spec.policy_stats["searched_heads"] == plain.policy_stats["searched_heads"]
+
+
+def test_lag_zero_searches_the_lowest_host_layer_with_its_own_query():
+  """Lag 0 runs each step twice, the second on rows its first pass's queries found. The lowest
+  host layer's first-pass query is already exact, so with it the only host layer (and flat
+  search, no successors) it attends what per_layer's current-query search does; lag 1 does not."""
+  model = tiny_model("llama")  # two layers: layer 1 stays dense
+  prompts = [random_prompt(53), random_prompt(21, seed=5)]
+  options = dict(SMALL, index="flat", topk=5, dense_layers=(1,))
+  per_layer = run(model, prompts, **options)
+  lag0 = run(model, prompts, bridge="per_step", lag=0, successors=0, **options)
+  lag1 = run(model, prompts, bridge="per_step", lag=1, successors=0, **options)
+  np.testing.assert_allclose(lag0.logits, per_layer.logits, rtol=1e-4, atol=1e-4)
+  assert lag0.tokens == per_layer.tokens
+  assert np.abs(lag1.logits - per_layer.logits).max() > 1e-2  # the small top-k bites: lag 1 differs
+  assert 0 < lag0.policy_stats["repeated_steps"] <= len(lag0.tokens[0])
 
 
 def test_lag_two_is_deterministic_and_differs_from_lag_one():
@@ -270,7 +287,7 @@ def test_attend_rows_matches_dense_masked_attention():
       np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
 
 
-@pytest.mark.parametrize("lag", [1, 2])
+@pytest.mark.parametrize("lag", [0, 1, 2])
 def test_saved_context_decodes_token_for_token(tmp_path, lag):
   model = tiny_model("llama")
   prompt = random_prompt(50, seed=7)
@@ -352,6 +369,8 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(roar_heads="group"), "roar_heads="),
     (dict(bridge="per_step", lag=3), "lag=3"),
     (dict(lag=2), "lag=2 applies"),
+    (dict(lag=0), "lag=0 applies"),
+    (dict(bridge="per_step", lag=True), "lag=True"),
     (dict(index="flat", roar_heads="kv"), "roar_heads='kv'"),
     (dict(bridge="per_step", successors=-1), "successors=-1"),
     (dict(successors=2), "successors=2 applies"),

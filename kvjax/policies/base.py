@@ -125,6 +125,16 @@ class AttentionPolicy(abc.ABC):
     self.check(state)
     return state
 
+  # A policy that runs each decode step twice: the first pass (its input state kept) gives the
+  # step's queries, `repeat_step` prepares the second from them (e.g. retrieval per_step lag 0).
+  repeats_steps = False
+
+  def repeat_step(self, cfg: ModelConfig, before: Any, after: Any) -> Any | None:
+    """Between a step's two passes, outside jit (only with `repeats_steps`): the state to run the
+    step again from, given the state it started from and the first pass's result; None keeps
+    the first pass."""
+    return None
+
   def host_context(self, state: Any):
     """The host_index.HostContext behind `state`, None for device-only policies."""
     return None

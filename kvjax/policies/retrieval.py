@@ -186,7 +186,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     (not indexed yet, or with `speculative` indexed after that search).
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
-    the next step (hidden when it takes less than a step), with an older selection.
+    the next step (hidden when it takes less than a step), with an older selection. 0: each
+    step runs twice, first on the previous step's rows to get its queries, then, after the
+    host searched with them, on the rows they found (skipped where no row changed): a lagged
+    selection loses answers that move between needles (niah_multiquery at 32K, Qwen2.5: lag 2
+    0.58, exact per_layer search 0.71 = full over 12 samples,
+    experiments/results/ruler_qwen_32k_multiquery_diag.md), at the cost of a second device
+    pass and a search on the critical path. A layer's first-pass query was computed from the
+    lower layers' older rows, so only the lowest host layer searches with exactly its own query.
   successors: per_step only: the tokens following each of a head's best `successor_sources`
     retrieved ids also attended (default: 2 * `lag`; 0 turns them off), for heads that move one
     position a step through a span the older query found (kvjax.prefetch_runtime.successor_ids).
@@ -261,8 +268,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
     if self.tail_slots < 1:
       raise ValueError(f"tail_slots={self.tail_slots} must be >= 1")
-    if self.lag not in (1, 2):
-      raise ValueError(f"lag={self.lag}; expected 1 or 2")
+    if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
+      raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
       raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
     if self.successors is None:  # lag 2's selection is two positions (or more) behind a copying head
@@ -290,8 +297,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     spec = f", speculative tau={self.tau}" if self.speculative else ""
     if self.bridge == "per_step":
-      spec += (", one host exchange per step (previous step's selection)" if self.lag == 1 else
-               ", host works while the device computes (selection of two steps back)")
+      spec += {0: ", each step run twice (the second on rows its own first-pass queries found)",
+               1: ", one host exchange per step (previous step's selection)",
+               2: ", host works while the device computes (selection of two steps back)"}[self.lag]
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
@@ -303,7 +311,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Non-sink ring slots. per_step keeps each token `lag` steps past the window: the host
     stores a token leaving the window in the exchange after the step, and its rows reach the
     device `lag` steps later; until then the device attends it in the ring."""
-    return self.window + (self.lag if self.bridge == "per_step" else 0)
+    return self.window + (max(self.lag, 1) if self.bridge == "per_step" else 0)  # lag 0 stores as lag 1
 
   @property
   def slots_per_head(self) -> int:
@@ -372,7 +380,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
     self.check(state)
-    if self.bridge != "per_step":
+    if self.bridge != "per_step" or self.lag == 0:  # lag 0: the exchange ran between the passes (repeat_step)
       return state
     runtime = self.runtime(state)
     t0 = time.perf_counter()
@@ -390,6 +398,26 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       runtime.repeat_selection()
     runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *step)
     return state if update is None else self._land(state, update)
+
+  @property
+  def repeats_steps(self) -> bool:
+    return self.bridge == "per_step" and self.lag == 0
+
+  def repeat_step(self, cfg, before: RetrievalState, after: RetrievalState) -> RetrievalState | None:
+    """Lag 0: the exchange of lag 1 with the first pass's queries and evicted tokens, its rows
+    landed in the state the step started from (a token the second pass evicts again is stored
+    once); None when no row changed, so the first pass stands."""
+    self.check(after)
+    runtime = self.runtime(after)
+    t0 = time.perf_counter()
+    step = _host_arrays((after.step_q, after.step_evicted_k, after.step_evicted_v, after.step_evicted_q,
+                         after.step_evicted_pos))
+    runtime.stats.rows_seconds += time.perf_counter() - t0
+    update = runtime.prefetch_step(self._sparse_layers(cfg), *step)
+    if update.count == 0:
+      return None
+    runtime.stats.repeated_steps += 1
+    return self._land(before, self._update_to_device(before)(update))
 
   def _sparse_layers(self, cfg) -> list[int]:
     dense = set(self.dense_layer_ids(cfg))
@@ -493,6 +521,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
     lo = jnp.maximum(jnp.maximum(pos - R + 1, state.prompt_lengths - W), S)
+    if self.lag == 0:  # a second pass: the token this step evicts is in the host's rows now, not the ring's
+      leaving = (pos - W - S)[:, None, None]  # its store id
+      held = jnp.all(jnp.any(state.buf_ids[layer] == leaving, axis=-1), axis=-1) & (pos - W >= S)  # [B]: every head
+      lo = jnp.where(held, jnp.maximum(lo, pos - W + 1), lo)
     o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
                                  scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
