@@ -383,10 +383,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge != "per_step" or self.lag == 0:  # lag 0: the exchange ran between the passes (repeat_step)
       return state
     runtime = self.runtime(state)
-    t0 = time.perf_counter()
-    step = _host_arrays((state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
-                         state.step_evicted_pos))
-    runtime.stats.rows_seconds += time.perf_counter() - t0
+    step = self._read_step(state)
     if self.lag == 1:
       return self._prefetch(cfg, state, step)
     # Lag 2: this step's queries select the rows of the step after next, on the prefetch thread
@@ -399,6 +396,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *step)
     return state if update is None else self._land(state, update)
 
+  def _read_step(self, state: RetrievalState):
+    """The step's queries and evicted tokens (k, v, q, positions) as host arrays (timed into rows_seconds)."""
+    t0 = time.perf_counter()
+    step = _host_arrays((state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
+                         state.step_evicted_pos))
+    self.runtime(state).stats.rows_seconds += time.perf_counter() - t0
+    return step
+
   @property
   def repeats_steps(self) -> bool:
     return self.bridge == "per_step" and self.lag == 0
@@ -409,11 +414,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     once); None when no row changed, so the first pass stands."""
     self.check(after)
     runtime = self.runtime(after)
-    t0 = time.perf_counter()
-    step = _host_arrays((after.step_q, after.step_evicted_k, after.step_evicted_v, after.step_evicted_q,
-                         after.step_evicted_pos))
-    runtime.stats.rows_seconds += time.perf_counter() - t0
-    update = runtime.prefetch_step(self._sparse_layers(cfg), *step)
+    update = runtime.prefetch_step(self._sparse_layers(cfg), *self._read_step(after))
     if update.count == 0:
       return None
     runtime.stats.repeated_steps += 1
