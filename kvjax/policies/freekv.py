@@ -626,11 +626,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def _heads_to_correct(self, q, prev_q, primed, kv_heads: int, selection, prev_sel, pooled):
     """[B, Hkv] bool: the heads to correct, by tau (`_needs_correction`) and, with correct_mass,
-    by the mass their reused selection would lose (`_lost_mass`; `pooled` () -> [B, Hkv, N])."""
+    by the mass their reused selection would lose (`_lost_mass`; pooled [B, Hkv, N])."""
     correct = _needs_correction(q, prev_q, primed, self.tau, kv_heads)
     if self.correct_mass is None:
       return correct
-    return correct | (_lost_mass(pooled(), selection, prev_sel) > self.correct_mass)
+    return correct | (_lost_mass(pooled, selection, prev_sel) > self.correct_mass)
 
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
@@ -960,15 +960,16 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
     def one_layer(scores, q, prev_q, primed, prev_sel, pool_ids, promised):
-      selection, (fetch, fetch_slots, promised) = select_and_plan(scores, c_now, promised, n_sel=n, max_recall=R)
+      pooled = pool_scores(scores, c_now)  # select_and_plan's steps, the pooled scores kept for correct_mass
+      selection = top_pages(pooled, n)
+      fetch, fetch_slots, promised = plan_recall(promised, selection, pooled, R)
       hits = jnp.sum(_member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
       missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
       reused = jnp.sum(prev_sel >= 0, axis=-1)
       # `correct` only counts the heads per_layer would correct.
-      correct = self._heads_to_correct(q, prev_q, primed, H, selection, prev_sel,
-                                      lambda: pool_scores(scores, c_now))
+      correct = self._heads_to_correct(q, prev_q, primed, H, selection, prev_sel, pooled)
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
@@ -1061,7 +1062,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     sel_now = top_pages(pooled_now, n)  # [B, H, n]
     correct = jnp.ones((B, H), bool)
     if self.speculative:
-      correct = self._heads_to_correct(q0, prev_q, primed, H, sel_now, prev_sel, lambda: pooled_now)
+      correct = self._heads_to_correct(q0, prev_q, primed, H, sel_now, prev_sel, pooled_now)
     hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
     if self.speculative:
       sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
