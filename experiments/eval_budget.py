@@ -56,7 +56,7 @@ def main(argv):
   except (ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  plan = [(n, FLAGS.seed + s) for n in lengths for s in range(FLAGS.samples)]
+  plan = [(n, seed) for n in lengths for seed in eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)]
   rows: list[dict] = []
   for done, (length, seed) in enumerate(plan, 1):
     sample = kveval.make_sample(FLAGS.task, model.tokenizer, length=length, seed=seed)
@@ -72,11 +72,12 @@ def main(argv):
 def write(model, rows, lengths, budgets, *, partial: str) -> list[dict]:
   summary = eval_common.summarize(rows, ("length", "family", "budget"))
   skipped = [f"{f}@{b}" for f in FLAGS.families for b in budgets if kvbudgets.budget_options(f, b) is None]
-  notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); {FLAGS.samples} sample(s) per point (seeds "
-           f"{FLAGS.seed}..), the same samples for every point; score = RULER string_match_all; budget = tokens "
-           "attended per query head per decode step, split per family as kvjax.eval.budgets says (streaming: sinks "
-           "min(128, B/4) + window; quest and freekv: sinks B/4 + window B/4 + pages B/2; retrieval: sinks 128 + "
-           f"window 512 + top-(B-640)); early stop: {FLAGS.early_stop}."
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); {len(seeds)} sample(s) per point (seeds "
+           f"{eval_common.seed_text(seeds)}), the same samples for every point; score = RULER string_match_all; "
+           "budget = tokens attended per query head per decode step, split per family as kvjax.eval.budgets says "
+           "(streaming: sinks min(128, B/4) + window; quest and freekv: sinks B/4 + window B/4 + pages B/2; "
+           f"retrieval: sinks 128 + window 512 + top-(B-640)); early stop: {FLAGS.early_stop}."
            + (f" Not offered (budget below the family's static set): {', '.join(skipped)}." if skipped else "")
            + (f" PARTIAL: {partial} samples." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)

@@ -29,6 +29,8 @@ def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
                     "the generation come on top (SmolLM2's context is 8192).")
   flags.DEFINE_integer("samples", samples, "Samples per cell (seeds seed, seed+1, ...).")
   flags.DEFINE_integer("seed", 0, "First sample seed.")
+  flags.DEFINE_list("seeds", [], "Sample seeds to run instead of --seed and --samples, e.g. the ones a policy lost "
+                    "in an earlier run, to diagnose them without rerunning the rest.")
   flags.DEFINE_integer("max_new_tokens", None, "Generation per decode; default: each task's own.")
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
   flags.DEFINE_bool("early_stop", False, "Stop a decode once its text holds every answer (kvjax.eval.Sample.complete): "
@@ -43,6 +45,25 @@ def policies(values: list[str]) -> list[kveval.PolicySpec]:
     return [kveval.PolicySpec.parse(v) for v in values]
   except (ValueError, TypeError) as e:
     raise app.UsageError(f"--policies: {e}") from None
+
+
+def sample_seeds(seeds: list[str], seed: int, samples: int) -> list[int]:
+  """The samples' seeds: `seeds` (--seeds) if given, else `samples` of them from `seed`."""
+  if seeds:
+    chosen = ints(seeds, "seeds")
+    if len(set(chosen)) != len(chosen):
+      raise app.UsageError(f"--seeds={','.join(seeds)} repeats a seed")
+    return chosen
+  if samples < 1:
+    raise app.UsageError(f"--samples={samples} must be at least 1")
+  return [seed + s for s in range(samples)]
+
+
+def seed_text(seeds: list[int]) -> str:
+  """'0-49' for a run of consecutive seeds, else '5, 16, 32'."""
+  if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+    return f"{seeds[0]}-{seeds[-1]}"
+  return ", ".join(map(str, seeds))
 
 
 def ints(values: list[str], flag: str) -> list[int]:

@@ -42,7 +42,8 @@ def main(argv):
   lengths = eval_common.ints(FLAGS.lengths, "lengths")
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  plan = [(n, d, FLAGS.seed + s) for n in lengths for d in depths for s in range(FLAGS.samples)]
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  plan = [(n, d, seed) for n in lengths for d in depths for seed in seeds]
   records: list[dict] = []
   summary: list[dict] = []
   for done, (length, depth, seed) in enumerate(plan, 1):
@@ -61,10 +62,11 @@ def main(argv):
 def write(model, specs, lengths, depths, records, *, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
-           f"{FLAGS.samples} sample(s) per cell; length = prompt text tokens (chat template and answer prefix "
-           f"on top, see prompt_tokens). Depth = haystack tokens before the needle / all haystack tokens; "
-           f"early stop once every answer is in the text: {FLAGS.early_stop}."
+           f"{len(seeds)} sample(s) per cell (seeds {eval_common.seed_text(seeds)}); length = prompt text tokens "
+           f"(chat template and answer prefix on top, see prompt_tokens). Depth = haystack tokens before the needle / "
+           f"all haystack tokens; early stop once every answer is in the text: {FLAGS.early_stop}."
            + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
   eval_common.write_paired(rows, cell=("length", "depth"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,

@@ -55,7 +55,8 @@ def main(argv):
   lengths = eval_common.ints(FLAGS.lengths, "lengths")
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  plan = [(t, n, FLAGS.seed + s) for n in lengths for t in FLAGS.tasks for s in range(FLAGS.samples)]
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  plan = [(t, n, seed) for n in lengths for t in FLAGS.tasks for seed in seeds]
   rows: list[dict] = []
   table: list[dict] = []
   for done, (task, length, seed) in enumerate(plan, 1):
@@ -64,7 +65,8 @@ def main(argv):
                                     prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
       eval_common.progress(record)
       rows.append(eval_common.flatten(record))
-    notes = (f"{model.cfg.name} ({model.source}); {FLAGS.samples} sample(s) per cell; {SCORES}; early stop once "
+    notes = (f"{model.cfg.name} ({model.source}); {len(seeds)} sample(s) per cell (seeds "
+             f"{eval_common.seed_text(seeds)}); {SCORES}; early stop once "
              f"every answer is in the text: {FLAGS.early_stop}." + (f" PARTIAL: {done} of {len(plan)} samples."
                                                                    if done < len(plan) else ""))
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.

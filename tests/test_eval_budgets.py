@@ -50,7 +50,7 @@ def test_bad_family_or_budget(family, budget, match):
 
 
 def test_cli_small_run_pairs_every_point_with_full(tmp_path):
-  """experiments/eval_budget.py on SmolLM2 (real weights, CPU), one 512-token sample."""
+  """experiments/eval_budget.py on SmolLM2 (real weights, CPU), one 512-token sample, chosen by --seeds."""
   import json
   import os
   import pathlib
@@ -59,7 +59,7 @@ def test_cli_small_run_pairs_every_point_with_full(tmp_path):
 
   repo = pathlib.Path(__file__).resolve().parents[1]
   env = dict(os.environ, PYTHONPATH=f"{repo}:{repo / 'experiments'}")
-  cmd = [sys.executable, str(repo / "experiments" / "eval_budget.py"), "--lengths=512", "--samples=1",
+  cmd = [sys.executable, str(repo / "experiments" / "eval_budget.py"), "--lengths=512", "--seeds=3",
          "--budgets=256,768", "--families=streaming,freekv,retrieval", "--early_stop", "--noplot",
          f"--out_dir={tmp_path}", "--name=budget"]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -68,6 +68,7 @@ def test_cli_small_run_pairs_every_point_with_full(tmp_path):
   assert [r["policy"] for r in rows] == ["full", "streaming@256", "streaming@768", "freekv@256", "freekv@768",
                                          "retrieval@768"]
   assert {(r["family"], r["budget"]) for r in rows} >= {("full", None), ("retrieval", 768)}
+  assert {r["seed"] for r in rows} == {3}
   paired = json.loads((tmp_path / "budget_paired.json").read_text())["rows"]
   assert sorted(p["policy"] for p in paired) == sorted(r["policy"] for r in rows[1:])
   assert all(p["n"] == 1 for p in paired)

@@ -1,0 +1,35 @@
+"""The eval CLIs' sample seeds (experiments/eval_common.py): --seeds picks samples by seed."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+from absl import app
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "experiments"))
+
+import eval_common  # noqa: E402
+
+
+def test_seeds_default_to_a_run_from_seed():
+  assert eval_common.sample_seeds([], seed=3, samples=4) == [3, 4, 5, 6]
+
+
+def test_explicit_seeds_replace_seed_and_samples_in_their_order():
+  assert eval_common.sample_seeds(["39", "5", "16"], seed=0, samples=50) == [39, 5, 16]
+
+
+@pytest.mark.parametrize("seeds,samples,match", [(["5", "x"], 1, "--seeds=5,x must be integers"),
+                                                 (["5", "5"], 1, "--seeds=5,5 repeats a seed"),
+                                                 ([], 0, "--samples=0 must be at least 1")])
+def test_bad_seeds_are_refused_by_name(seeds, samples, match):
+  with pytest.raises(app.UsageError, match=match):
+    eval_common.sample_seeds(seeds, seed=0, samples=samples)
+
+
+def test_seed_text_shortens_consecutive_runs_only():
+  assert eval_common.seed_text(list(range(30, 50))) == "30-49"
+  assert eval_common.seed_text([5, 16, 32]) == "5, 16, 32"
+  assert eval_common.seed_text([7]) == "7"
