@@ -191,8 +191,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     host searched with them, on the rows they found (skipped where no row changed): a lagged
     selection loses answers that move between needles (niah_multiquery at 32K, Qwen2.5: lag 2
     0.58, exact per_layer search 0.71 = full over 12 samples,
-    experiments/results/ruler_qwen_32k_multiquery_diag.md), at the cost of a second device
-    pass and a search on the critical path. A layer's first-pass query was computed from the
+    experiments/results/ruler_qwen_32k_multiquery_diag.md; lag 0 0.69 against full's 0.72 over
+    25, ruler_qwen_32k_multiquery_lag0.md), at the cost of a second device pass and the
+    search and gather on the critical path (21 ms a token there against lag 2 speculative's 10
+    and full's 4). A layer's first-pass query was computed from the
     lower layers' older rows, so only the lowest host layer searches with exactly its own query.
   successors: per_step only: the tokens following each of a head's best `successor_sources`
     retrieved ids also attended (default: 2 * `lag`; 0 turns them off), for heads that move one
