@@ -126,10 +126,16 @@ class PrefetchRuntime(HostRuntime):
     off, for the thread launching the device's kernels (default `default_reserved_cores`). With
     cores reserved the exchange runs at the caller's priority and only the indexing, which has
     until the next exchange, at `background_nice`; with none both run at `background_nice`.
+  index_after_gather: queue the indexing of the stored tokens after the gather, not beside it:
+    for an exchange the device waits for (retrieval per_step lag 0 and 1), so the gather has
+    the cores and the indexing overlaps the device's next pass (`gather_threads` has the cost of
+    sharing them). Lag 2's exchange runs beside the device, where the two side by side finish
+    it sooner.
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
-               background_threads: int | None = None, reserved_cores: int | None = None, **kwargs):
+               background_threads: int | None = None, reserved_cores: int | None = None,
+               index_after_gather: bool = False, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
     cores = worker_cores(reserved_cores)
@@ -147,6 +153,7 @@ class PrefetchRuntime(HostRuntime):
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
+    self.index_after_gather = bool(index_after_gather)
     self.search_threads = workers  # the search runs after the previous indexing, before the next
     self.buffers = StepBuffers()
     self._prefetcher = background_worker("kvjax-prefetch", exchange_nice(cores, self.background_nice), cores)
@@ -243,8 +250,9 @@ class PrefetchRuntime(HostRuntime):
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
     # The indexes are not read again until the next exchange (which waits for this job first): the
-    # indexing runs beside the gather and the copy to the device, which read only the store.
-    self._submit_background(-1, None)
+    # indexing may run beside the gather and the copy to the device, which read only the store.
+    if not self.index_after_gather:
+      self._submit_background(-1, None)
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
     # The selections, in no slot order (each head's latest top-k, every stored token that search
@@ -271,6 +279,8 @@ class PrefetchRuntime(HostRuntime):
     for layer in layers:
       self._selections[layer].append(wanted[layer])
     update = self._gather_update(wanted)  # advances slot_ids
+    if self.index_after_gather:
+      self._submit_background(-1, None)
     self.stats.gather_seconds += time.perf_counter() - t3
     self.stats.attend_seconds += time.perf_counter() - t2
     self.stats.callbacks += 1

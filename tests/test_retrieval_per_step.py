@@ -212,6 +212,43 @@ def test_successors_extend_the_selection_by_the_following_tokens(sources):
     runtime.close()
 
 
+@pytest.mark.parametrize("after", [False, True])
+def test_the_indexing_is_queued_beside_or_after_the_gather(after):
+  """An exchange the device waits for (lag 0, 1) gathers before it queues the indexing, so the
+  two do not share the cores; lag 2's queues it first. The rows are the same either way."""
+  rng = np.random.default_rng(4)
+  L, Hkv, n, D = 1, 1, 24, 8
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=4, kind="graph", index_after_gather=after)
+  calls = []
+  for name in ("_submit_background", "_gather_update"):
+    method = getattr(runtime, name)
+    setattr(runtime, name, lambda *a, _name=name, _method=method: calls.append(_name) or _method(*a))
+  k, v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
+  try:
+    runtime.prefetch_step([0], rng.standard_normal((L, 1, 2, D), dtype=np.float32), k, v,
+                          rng.standard_normal((L, 1, 2, D), dtype=np.float32), np.array([[2 + n]]))  # sinks 2
+    order = ["_gather_update", "_submit_background"]
+    assert calls == (order if after else order[::-1])
+    runtime._wait_background(-1)
+    assert runtime.context.indexed_counts().tolist() == [[n + 1]]  # the evicted token was indexed either way
+  finally:
+    runtime.close()
+
+
+def test_only_an_exchange_the_device_waits_for_indexes_after_its_gather():
+  model = tiny_model("llama")
+  for lag, after in ((0, True), (1, True), (2, False)):
+    policy = RetrievalAttention(index="flat", topk=4, bridge="per_step", lag=lag)
+    context = host_index.HostContext(1, model.cfg.num_layers, model.cfg.num_heads, model.cfg.num_kv_heads,
+                                     model.cfg.head_dim, dtype="float32", kind="flat")
+    runtime = policy.new_runtime(model.cfg, context)
+    try:
+      assert runtime.index_after_gather is after
+    finally:
+      runtime.close()
+
+
 def test_a_reused_search_moves_its_successors_on_by_its_age():
   """Speculative reuse (tau 0 keeps every search until its turn in the rotation): a head that
   reuses the search of the previous exchange attends the tokens 2 after each found one, not 1."""

@@ -361,7 +361,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               successor_sources=self.successor_sources,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
-                                              reserved_cores=self.reserved_cores, **common)
+                                              reserved_cores=self.reserved_cores,
+                                              index_after_gather=self.lag < 2, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def attach_host(self, cfg, state: RetrievalState, context):
