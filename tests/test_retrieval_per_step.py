@@ -212,28 +212,32 @@ def test_successors_extend_the_selection_by_the_following_tokens(sources):
     runtime.close()
 
 
-@pytest.mark.parametrize("after", [False, True])
-def test_the_indexing_is_queued_beside_or_after_the_gather(after):
+def test_the_indexing_is_queued_beside_or_after_the_gather():
   """An exchange the device waits for (lag 0, 1) gathers before it queues the indexing, so the
-  two do not share the cores; lag 2's queues it first. The rows are the same either way."""
+  two do not share the cores; lag 2's queues it first. The rows and the indexing are the same."""
   rng = np.random.default_rng(4)
   L, Hkv, n, D = 1, 1, 24, 8
   keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
-  runtime = _runtime(keys, values, topk=4, kind="graph", index_after_gather=after)
-  calls = []
-  for name in ("_submit_background", "_gather_update"):
-    method = getattr(runtime, name)
-    setattr(runtime, name, lambda *a, _name=name, _method=method: calls.append(_name) or _method(*a))
-  k, v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
-  try:
-    runtime.prefetch_step([0], rng.standard_normal((L, 1, 2, D), dtype=np.float32), k, v,
-                          rng.standard_normal((L, 1, 2, D), dtype=np.float32), np.array([[2 + n]]))  # sinks 2
-    order = ["_gather_update", "_submit_background"]
-    assert calls == (order if after else order[::-1])
-    runtime._wait_background(-1)
-    assert runtime.context.indexed_counts().tolist() == [[n + 1]]  # the evicted token was indexed either way
-  finally:
-    runtime.close()
+  queries, evicted_q = rng.standard_normal((2, L, 1, 2, D), dtype=np.float32)
+  evicted_k, evicted_v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
+  step = ([0], queries, evicted_k, evicted_v, evicted_q, np.array([[2 + n]]))  # position 2 + n: the sinks are 2
+  slot_ids = []
+  for after in (False, True):
+    runtime = _runtime(keys, values, topk=4, kind="graph", index_after_gather=after)
+    calls = []
+    for name in ("_submit_background", "_gather_update"):
+      method = getattr(runtime, name)
+      setattr(runtime, name, lambda *a, _name=name, _method=method: calls.append(_name) or _method(*a))
+    try:
+      runtime.prefetch_step(*step)
+      order = ["_gather_update", "_submit_background"]
+      assert calls == (order if after else order[::-1])
+      runtime._wait_background(-1)
+      assert runtime.context.indexed_counts().tolist() == [[n + 1]]  # the evicted token is indexed either way
+      slot_ids.append(runtime.slot_ids)
+    finally:
+      runtime.close()
+  np.testing.assert_array_equal(*slot_ids)
 
 
 def test_only_an_exchange_the_device_waits_for_indexes_after_its_gather():
