@@ -166,7 +166,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   index: host index kind, "roar" (attention-aware), "graph", "ivf" or "flat" (exact).
   topk: keys retrieved per query head per step (100 in the paper; 2000 for key-value retrieval).
   sinks, window: tokens kept on the device (first and most recent).
-  ef: search effort (graph candidate list, IVF nprobe); None = the index's default.
+  ef: search effort (graph candidate list, IVF nprobe); None = the index's default (graph and
+    roar: max(64, topk)). A decode option: a saved context takes another. At 32K a needle ~31K
+    tokens before the query was lost at roar's default and kept at ef 400, 2.9x the keys scanned
+    (one sample on the CPU, experiments/results/ruler_qwen_32k_single1_seed39_cpu.md).
   dense_layers: layers attended densely on the device.
   train_queries: prefill queries per head kept to train roar (strided over the prompt).
   train_topk: N_q, each training query's exact top keys linked by roar.
