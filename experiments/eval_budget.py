@@ -56,7 +56,8 @@ def main(argv):
   except (ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  plan = [(n, seed) for n in lengths for seed in eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)]
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  plan = [(n, seed) for n in lengths for seed in seeds]
   rows: list[dict] = []
   for done, (length, seed) in enumerate(plan, 1):
     sample = kveval.make_sample(FLAGS.task, model.tokenizer, length=length, seed=seed)
@@ -65,14 +66,13 @@ def main(argv):
       eval_common.progress(record)
       family, budget = kvbudgets.parse_label(record["policy"])
       rows.append(eval_common.flatten(record) | {"family": family, "budget": budget})
-    summary = write(model, rows, lengths, budgets, partial="" if done == len(plan) else f"{done} of {len(plan)}")
+    summary = write(model, rows, lengths, budgets, seeds, partial="" if done == len(plan) else f"{done} of {len(plan)}")
   print(results_io.markdown_table(summary))
 
 
-def write(model, rows, lengths, budgets, *, partial: str) -> list[dict]:
+def write(model, rows, lengths, budgets, seeds, *, partial: str) -> list[dict]:
   summary = eval_common.summarize(rows, ("length", "family", "budget"))
   skipped = [f"{f}@{b}" for f in FLAGS.families for b in budgets if kvbudgets.budget_options(f, b) is None]
-  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); {len(seeds)} sample(s) per point (seeds "
            f"{eval_common.seed_text(seeds)}), the same samples for every point; score = RULER string_match_all; "
            "budget = tokens attended per query head per decode step, split per family as kvjax.eval.budgets says "

@@ -53,16 +53,15 @@ def main(argv):
       eval_common.progress(record)
       records.append(record)
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
-    summary = write(model, specs, lengths, depths, records,
+    summary = write(model, specs, lengths, depths, seeds, records,
                     partial=f"{done} of {len(plan)} samples" if done < len(plan) else "")
   for s in summary:
     print(f"{s['policy']:<34} length={s['length']} depth={s['depth']} score={s['score']:.2f} (n={s['n']})")
 
 
-def write(model, specs, lengths, depths, records, *, partial: str) -> list[dict]:
+def write(model, specs, lengths, depths, seeds, records, *, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
-  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
            f"{len(seeds)} sample(s) per cell (seeds {eval_common.seed_text(seeds)}); length = prompt text tokens "
            f"(chat template and answer prefix on top, see prompt_tokens). Depth = haystack tokens before the needle / "
