@@ -21,6 +21,8 @@ import results_io
 
 cli.define_flags()
 flags.DEFINE_string("json_out", None, "Also write the report as JSON to this file.")
+flags.DEFINE_bool("deterministic", False, "Set XLA's deterministic GPU flags (kvjax.use_deterministic_xla): the "
+                  "same text in every process, at a cost in speed (off: XLA's fastest kernels).")
 FLAGS = flags.FLAGS
 
 SENTENCES_PER_TOKEN = 1 / 8.5  # the built-in filler's sentence length in SmolLM2 tokens
@@ -60,6 +62,8 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax and XLA log every save at INFO
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.deterministic:
+    kvjax.use_deterministic_xla()  # before resolve_dtype starts the backend
   dtype = cli.resolve_dtype(FLAGS.dtype)
   if FLAGS.load_context and FLAGS.save_context:
     raise app.UsageError("give --save_context or --load_context, not both")

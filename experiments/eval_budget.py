@@ -47,6 +47,7 @@ def main(argv):
   results_io.commit()
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  xla_note = eval_common.use_determinism(FLAGS.deterministic)
   if FLAGS.task not in kveval.task_names():
     raise app.UsageError(f"--task={FLAGS.task}: known tasks are {', '.join(kveval.task_names())}")
   budgets = eval_common.ints(FLAGS.budgets, "budgets")
@@ -66,18 +67,18 @@ def main(argv):
       eval_common.progress(record)
       family, budget = kvbudgets.parse_label(record["policy"])
       rows.append(eval_common.flatten(record) | {"family": family, "budget": budget})
-    summary = write(model, rows, lengths, budgets, seeds, partial="" if done == len(plan) else f"{done} of {len(plan)}")
+    summary = write(model, rows, lengths, budgets, seeds, xla_note=xla_note, partial="" if done == len(plan) else f"{done} of {len(plan)}")
   print(results_io.markdown_table(summary))
 
 
-def write(model, rows, lengths, budgets, seeds, *, partial: str) -> list[dict]:
+def write(model, rows, lengths, budgets, seeds, *, xla_note: str, partial: str) -> list[dict]:
   summary = eval_common.summarize(rows, ("length", "family", "budget"))
   skipped = [f"{f}@{b}" for f in FLAGS.families for b in budgets if kvbudgets.budget_options(f, b) is None]
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); {len(seeds)} sample(s) per point (seeds "
            f"{eval_common.seed_text(seeds)}), the same samples for every point; score = RULER string_match_all; "
            "budget = tokens attended per query head per decode step, split per family as kvjax.eval.budgets says "
            "(streaming: sinks min(128, B/4) + window; quest and freekv: sinks B/4 + window B/4 + pages B/2; "
-           f"retrieval: sinks 128 + window 512 + top-(B-640)); early stop: {FLAGS.early_stop}."
+           f"retrieval: sinks 128 + window 512 + top-(B-640)); early stop: {FLAGS.early_stop}. {xla_note}"
            + (f" Not offered (budget below the family's static set): {', '.join(skipped)}." if skipped else "")
            + (f" PARTIAL: {partial} samples." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)

@@ -7,6 +7,7 @@ answers one string, and the numeric policy_stats become `stat_<name>` columns.
 from __future__ import annotations
 
 import collections
+import os
 import statistics
 import sys
 
@@ -38,6 +39,16 @@ def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
   flags.DEFINE_string("name", name, "Results stem: <out_dir>/<name>.json, .md and .png.")
   flags.DEFINE_string("out_dir", None, "Results directory (default experiments/results).")
   flags.DEFINE_bool("plot", True, "Write <name>.png (needs matplotlib, the bench extra).")
+  flags.DEFINE_bool("deterministic", True, "Set XLA's deterministic GPU flags (kvjax.determinism) so that a seed "
+                    "gives the same text in every process; --nodeterministic for XLA's fastest kernels (timing).")
+
+
+def use_determinism(enabled: bool) -> str:
+  """Call first in main(), before any JAX computation; returns the sentence the results' notes carry."""
+  if not enabled:
+    return "XLA deterministic flags: off."
+  kvjax.use_deterministic_xla()
+  return f"XLA deterministic flags: on (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')})."
 
 
 def policies(values: list[str]) -> list[kveval.PolicySpec]:

@@ -33,6 +33,7 @@ def main(argv):
   results_io.commit()  # stamped on every rewrite of the results: the commit this run started at
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  xla_note = eval_common.use_determinism(FLAGS.deterministic)
   if FLAGS.task not in kveval.task_names() or not kveval.takes_depth(FLAGS.task):
     raise app.UsageError(f"--task={FLAGS.task} does not place its answer at a depth")
   try:
@@ -53,19 +54,19 @@ def main(argv):
       eval_common.progress(record)
       records.append(record)
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
-    summary = write(model, specs, lengths, depths, seeds, records,
+    summary = write(model, specs, lengths, depths, seeds, records, xla_note=xla_note,
                     partial=f"{done} of {len(plan)} samples" if done < len(plan) else "")
   for s in summary:
     print(f"{s['policy']:<34} length={s['length']} depth={s['depth']} score={s['score']:.2f} (n={s['n']})")
 
 
-def write(model, specs, lengths, depths, seeds, records, *, partial: str) -> list[dict]:
+def write(model, specs, lengths, depths, seeds, records, *, xla_note: str, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
            f"{len(seeds)} sample(s) per cell (seeds {eval_common.seed_text(seeds)}); length = prompt text tokens "
            f"(chat template and answer prefix on top, see prompt_tokens). Depth = haystack tokens before the needle / "
-           f"all haystack tokens; early stop once every answer is in the text: {FLAGS.early_stop}."
+           f"all haystack tokens; early stop once every answer is in the text: {FLAGS.early_stop}. {xla_note}"
            + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
   eval_common.write_paired(rows, cell=("length", "depth"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,

@@ -46,6 +46,7 @@ def main(argv):
   results_io.commit()  # stamped on every rewrite of the results: the commit this run started at
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  xla_note = eval_common.use_determinism(FLAGS.deterministic)
   if FLAGS.combine:
     combine(FLAGS.combine)
     return
@@ -67,7 +68,7 @@ def main(argv):
       rows.append(eval_common.flatten(record))
     notes = (f"{model.cfg.name} ({model.source}); {len(seeds)} sample(s) per cell (seeds "
              f"{eval_common.seed_text(seeds)}); {SCORES}; early stop once "
-             f"every answer is in the text: {FLAGS.early_stop}." + (f" PARTIAL: {done} of {len(plan)} samples."
+             f"every answer is in the text: {FLAGS.early_stop}. {xla_note}" + (f" PARTIAL: {done} of {len(plan)} samples."
                                                                    if done < len(plan) else ""))
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
     table = write(rows, tasks=FLAGS.tasks, labels=[s.label for s in specs], lengths=lengths, notes=notes,

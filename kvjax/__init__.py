@@ -7,6 +7,7 @@
 """
 
 from kvjax.context_cache import load_context, save_context
+from kvjax.determinism import use_deterministic_xla
 from kvjax.generate import GenerationResult, PrefilledContext, check_context, decode, generate, prefill
 from kvjax.policies import AttentionPolicy, make_policy, policy_names
 from kvjax.prompts import PasskeyPrompt, passkey_prompt
@@ -46,4 +47,5 @@ __all__ = [
     "policy_names",
     "prefill",
     "save_context",
+    "use_deterministic_xla",
 ]

@@ -64,7 +64,9 @@ def test_cli_small_run_pairs_every_point_with_full(tmp_path):
          f"--out_dir={tmp_path}", "--name=budget"]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = json.loads((tmp_path / "budget.json").read_text())["rows"]
+  doc = json.loads((tmp_path / "budget.json").read_text())
+  assert "XLA deterministic flags: on (XLA_FLAGS=--xla_gpu_autotune_level=0" in doc["notes"]  # the default, parsed
+  rows = doc["rows"]
   assert [r["policy"] for r in rows] == ["full", "streaming@256", "streaming@768", "freekv@256", "freekv@768",
                                          "retrieval@768"]
   assert {(r["family"], r["budget"]) for r in rows} >= {("full", None), ("retrieval", 768)}
