@@ -167,9 +167,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   topk: keys retrieved per query head per step (100 in the paper; 2000 for key-value retrieval).
   sinks, window: tokens kept on the device (first and most recent).
   ef: search effort (graph candidate list, IVF nprobe); None = the index's default (graph and
-    roar: max(64, topk)). A decode option: a saved context takes another. At 32K a needle ~31K
-    tokens before the query was lost at roar's default and kept at ef 400, 2.9x the keys scanned
-    (one sample on the CPU, experiments/results/ruler_qwen_32k_single1_seed39_cpu.md).
+    roar: max(64, topk)). A decode option: a saved context takes another. Needles early in a 32K
+    prompt are what a narrow beam loses: niah_single_1 on Qwen2.5-0.5B, 50 samples, scored 0.94 /
+    0.92 / 0.98 at ef 100 / 200 / 400 for 9.2 / 10.1 / 12.0 ms a token, every miss a needle in the
+    first 18% (experiments/results/ruler_qwen_32k_single1_ef.md).
   dense_layers: layers attended densely on the device.
   train_queries: prefill queries per head kept to train roar (strided over the prompt).
   train_topk: N_q, each training query's exact top keys linked by roar.
