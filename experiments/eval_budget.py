@@ -67,7 +67,8 @@ def main(argv):
       eval_common.progress(record)
       family, budget = kvbudgets.parse_label(record["policy"])
       rows.append(eval_common.flatten(record) | {"family": family, "budget": budget})
-    summary = write(model, rows, lengths, budgets, seeds, xla_note=xla_note, partial="" if done == len(plan) else f"{done} of {len(plan)}")
+    summary = write(model, rows, lengths, budgets, seeds, xla_note=xla_note,
+                    partial="" if done == len(plan) else f"{done} of {len(plan)}")
   print(results_io.markdown_table(summary))
 
 

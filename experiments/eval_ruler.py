@@ -67,9 +67,9 @@ def main(argv):
       eval_common.progress(record)
       rows.append(eval_common.flatten(record))
     notes = (f"{model.cfg.name} ({model.source}); {len(seeds)} sample(s) per cell (seeds "
-             f"{eval_common.seed_text(seeds)}); {SCORES}; early stop once "
-             f"every answer is in the text: {FLAGS.early_stop}. {xla_note}" + (f" PARTIAL: {done} of {len(plan)} samples."
-                                                                   if done < len(plan) else ""))
+             f"{eval_common.seed_text(seeds)}); {SCORES}; early stop once every answer is in the text: "
+             f"{FLAGS.early_stop}. {xla_note}"
+             + (f" PARTIAL: {done} of {len(plan)} samples." if done < len(plan) else ""))
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
     table = write(rows, tasks=FLAGS.tasks, labels=[s.label for s in specs], lengths=lengths, notes=notes,
                   model_name=model.cfg.name)
