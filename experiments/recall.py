@@ -55,7 +55,9 @@ _DATA = flags.DEFINE_string("data", "synthetic", "synthetic, or ignored when --m
 _MODEL = flags.DEFINE_string("model", "", "real model (models.registry name); empty = synthetic data")
 _CONTEXT = flags.DEFINE_integer("context_len", 4096, "prompt tokens N (real mode)")
 _STEPS = flags.DEFINE_integer("decode_steps", 64, "greedy decode steps whose queries are the Q->K queries")
-_TEXT = flags.DEFINE_enum("text", "docs", ["docs", "passkey"], "prompt text (real mode)")
+_TEXT = flags.DEFINE_enum("text", "docs", ["docs", "passkey", "needle"], "prompt text (real mode); needle: "
+                          "the passkey filler with its pass key at --needle_depth and its question kept at the end")
+_NEEDLE_DEPTH = flags.DEFINE_float("needle_depth", 0.03, "--text=needle: where the pass key sits (share of the prompt)")
 _LAYERS = flags.DEFINE_list("layers", [], "layers to study (default: every ~4th and the last; "
                             "Gemma 3: its global layers)")
 _SINKS = flags.DEFINE_integer("sinks", 128, "first tokens kept on the device (not indexed)")
@@ -94,6 +96,11 @@ _PEERS_CMP_KINDS = flags.DEFINE_list("peers_compare_kinds", ["graph", "graph_ip"
                                      "kvjax kinds copied from --peers_compare")
 _REPLAY_Q = flags.DEFINE_integer("replay_queries", 0, "hnswlib scanned: replay this many queries per mode and head "
                                  "(0 = all)")
+_HUBS = flags.DEFINE_list("hub_variants", [], "roar kinds: also search each built index with these hub seed sets "
+                          "(same graph, only the seeds swapped; rows as kind '<kind>:<variant>'): q4 (the last "
+                          "quarter's most frequent keys: the C default until tail64strat8), tail<T> (half from the "
+                          "last T training rows' top lists, half q4), strat<S> (S position strata, n_hubs/S each "
+                          "by last-quarter frequency), tail<T>strat<S>; suffix _h<N> for N hubs (default 32)")
 _RERENDER = flags.DEFINE_string("rerender", "", "remake <json>'s summary, .md and .png from its rows, then exit")
 
 TARGETS = (0.90, 0.95)
@@ -169,16 +176,116 @@ def recall_matrix(ids: np.ndarray, truth: np.ndarray, n: int) -> np.ndarray:
   return hit.sum(1) / truth.shape[1]
 
 
-def curve_rows(index, base, query_sets, truths, n, *, k, efs, nprobe_fracs, threads=None):
-  """Rows (mode, effort, recall, scanned_frac) of one built index over its query sets."""
+POS_BINS = 10  # key-position buckets of the recall breakdown: deciles of the prompt
+
+
+def position_recall(ids: np.ndarray, truth: np.ndarray, positions: np.ndarray, *, n_prompt: int,
+                    bins: int = POS_BINS) -> tuple[np.ndarray, np.ndarray]:
+  """Recall of the true top-k broken down by where the true keys sit in the prompt.
+
+  ids [Q, >=k] returned ids (-1 ignored, unique per row); truth [Q, k] true top-k ids; positions [n] each
+  indexed key's prompt position. A true key at position p falls in bucket min(bins - 1, p * bins // n_prompt)
+  (prompt deciles by default; a decode query sits just after the prompt, so bucket 0 is the farthest keys).
+  Returns (hits [bins], true [bins]) int64 counts summed over the queries: `true` = true top-k keys in the
+  bucket, `hits` = how many of them `ids` holds. hits.sum() / true.sum() is recall_matrix's mean."""
+  n = len(positions)
+  member = np.zeros((truth.shape[0], n + 1), bool)
+  np.put_along_axis(member, np.where(ids >= 0, ids, n), True, axis=1)
+  member[:, n] = False
+  hit = np.take_along_axis(member, truth, axis=1)
+  b = np.minimum(bins - 1, np.asarray(positions, np.int64)[truth] * bins // n_prompt)
+  true = np.bincount(b.ravel(), minlength=bins)[:bins]
+  hits = np.bincount(b[hit], minlength=bins)[:bins]
+  return hits.astype(np.int64), true.astype(np.int64)
+
+
+def mass_recall(ids: np.ndarray, scores: np.ndarray, truth_scores: np.ndarray, scale: float) -> np.ndarray:
+  """[Q] attention-mass recall: the softmax mass of the returned keys over that of the true top-k,
+  sum_ret exp(scale s) / sum_true exp(scale s) (the normaliser over all keys cancels; <= 1 since the true
+  top-k are the k largest scores). scores [Q, >=k] the returned keys' q.k (ids -1: ignored); truth_scores
+  [Q, k] the true top-k's q.k."""
+  mx = truth_scores.max(1, keepdims=True).astype(np.float64)
+  num = np.where(ids >= 0, np.exp(scale * (np.where(ids >= 0, scores, 0) - mx)), 0.0).sum(1)
+  den = np.exp(scale * (truth_scores - mx)).sum(1)
+  return num / den
+
+
+def curve_rows(index, base, query_sets, truths, n, *, k, efs, nprobe_fracs, threads=None, detail=None):
+  """Rows (mode, effort, recall, scanned_frac) of one built index over its query sets.
+
+  detail (optional): {"positions": [n] prompt position of each indexed key, "n_prompt": N, "scale": attention
+  scale, "truth_scores": {mode: [Q, k] true top-k q.k}}; the rows then also hold mass_recall (mean of
+  `mass_recall`) and pos_hits / pos_true (`position_recall`'s counts, as lists); with "focus": (a, b) a position
+  span, also focus_hits / focus_true (true top-k keys at positions [a, b) found / present)."""
   rows = []
   for ef in efforts_for(base, index, k=k, efs=efs, nprobe_fracs=nprobe_fracs):
     for mode, queries in query_sets.items():
-      ids, _, scanned = index.search(queries, k, ef=ef, threads=threads)
+      ids, scores, scanned = index.search(queries, k, ef=ef, threads=threads)
       rows.append({"mode": mode, "effort": "exact" if ef is None else ef,
                    "recall": float(recall_matrix(ids, truths[mode], n).mean()),
                    "scanned_frac": float(scanned.mean()) / n, "queries": len(queries)})
+      if detail is not None:
+        hits, true = position_recall(ids, truths[mode], detail["positions"], n_prompt=detail["n_prompt"])
+        rows[-1] |= {"mass_recall": float(mass_recall(ids, scores, detail["truth_scores"][mode],
+                                                      detail["scale"]).mean()),
+                     "pos_hits": hits.tolist(), "pos_true": true.tolist()}
+        if detail.get("focus"):  # a position span (the needle): its true keys found / present
+          a, b = detail["focus"]
+          pos = np.asarray(detail["positions"])
+          inside = ((pos >= a) & (pos < b)).astype(np.int64)  # bucket 1 = inside the span
+          fh, ft = position_recall(ids, truths[mode], inside, n_prompt=2, bins=2)
+          rows[-1] |= {"focus_hits": int(fh[1]), "focus_true": int(ft[1])}
   return rows
+
+
+# ------------------------------------------------------------------ hub seed variants (study only)
+def parse_hub_variant(v: str) -> dict:
+  """'q4' | 'tail<T>' | 'strat<S>' | 'tail<T>strat<S>', optional '_h<N>' (N hubs, default 32)."""
+  m = re.fullmatch(r"(q4|(?:tail(\d+))?(?:strat(\d+))?)(?:_h(\d+))?", v)
+  if not m or not m.group(1):
+    raise ValueError(f"unknown hub variant {v!r}: q4 | tail<T> | strat<S> | tail<T>strat<S> [+ _h<N>]")
+  return {"tail": int(m.group(2) or 0), "strat": int(m.group(3) or 0), "n_hubs": int(m.group(4) or 32)}
+
+
+def _most_frequent(rows_topk: np.ndarray, n: int, want: int, exclude=(), lo=0, hi=None) -> list[int]:
+  """The `want` keys in [lo, hi) most frequent in rows_topk (count > 0, not in exclude), ties by smaller id."""
+  cnt = np.bincount(rows_topk[rows_topk >= 0].ravel(), minlength=n)[:n].astype(np.int64)
+  hi = n if hi is None else hi
+  cnt[:lo] = 0
+  cnt[hi:] = 0
+  if len(exclude):
+    cnt[np.asarray(list(exclude), np.int64)] = 0
+  order = np.lexsort((np.arange(n), -cnt))
+  return [int(v) for v in order[:want] if cnt[v] > 0]
+
+
+def study_hubs(train_topk: np.ndarray, n: int, variant: str) -> np.ndarray:
+  """Hub seeds of a hub variant (NumPy) from the training rows' top lists [m, N_q] (prompt order).
+
+  q4: the n_hubs keys most frequent in the last quarter of the rows. tail<T>: n_hubs/2 most frequent in the
+  last T rows, the rest q4. strat<S>: the key range (prompt order) cut into S equal strata, the n_hubs/S most
+  frequent (last quarter) of each. Both: tail half, strat the rest. Short strata/tails are filled from q4."""
+  p = parse_hub_variant(variant)
+  m, nh = len(train_topk), p["n_hubs"]
+  quarter = train_topk[m - max(m // 4, 1):]
+  hubs: list[int] = []
+  if p["tail"]:
+    hubs += _most_frequent(train_topk[max(0, m - p["tail"]):], n, nh // 2)
+  if p["strat"]:
+    left = nh - len(hubs)
+    s = p["strat"]
+    for j in range(s):
+      per = left // s + (1 if j < left % s else 0)
+      hubs += _most_frequent(quarter, n, per, exclude=hubs, lo=j * n // s, hi=(j + 1) * n // s)
+  hubs += _most_frequent(quarter, n, nh - len(hubs), exclude=hubs)
+  return np.asarray(hubs, np.int32)
+
+
+def set_hubs(index, hubs: np.ndarray) -> None:
+  """Swap a built roar index's hub seeds (export / restore: the graph and entry stay as built)."""
+  e = index._c.export()
+  index._c.restore(e["n"], e["entry"], e["nlist"], e["adj"], e["deg"], e["centroids"], e["assign"],
+                   np.ascontiguousarray(hubs, np.int32).tobytes())
 
 
 def recall_rows(keys, queries, *, k, kinds, efs, nprobes, train_queries=None, train_topk=None,
@@ -268,9 +375,28 @@ def docs_text(min_chars: int) -> str:
   return "\n\n".join(parts)
 
 
+def needle_tokens(tokenizer, n: int, depth: float, seed: int) -> tuple[list[int], tuple[int, int]]:
+  """(n token ids, the needle's token span [start, end)): kvjax.passkey_prompt's intro and filler with its pass
+  key sentence spliced in at token depth * n, cut to n tokens with the question kept as the last tokens."""
+  from kvjax.prompts import PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, passkey_prompt
+
+  pk = passkey_prompt(num_sentences=n // 4 + 50, depth=0.0, seed=seed)  # ~6-9 tokens a sentence: enough
+  needle = PASSKEY_NEEDLE.format(passkey=pk.passkey)
+  filler = pk.text[len(PASSKEY_INTRO) + len(needle) + 1:-len(PASSKEY_QUESTION)]  # depth 0 put the needle first
+  head, tail = tokenizer.encode(PASSKEY_INTRO), tokenizer.encode(PASSKEY_QUESTION)
+  body, mid = tokenizer.encode(filler), tokenizer.encode(" " + needle + " ")
+  at = max(0, round(depth * n) - len(head))
+  ids = (head + body[:at] + mid + body[at:])[:n - len(tail)] + tail
+  if len(ids) < n:
+    raise ValueError(f"the needle text gives {len(ids)} tokens, fewer than context_len={n}")
+  return ids, (len(head) + at, len(head) + at + len(mid))
+
+
 def prompt_tokens(tokenizer, n: int, text: str, seed: int) -> list[int]:
   """Exactly n token ids of the chosen text (BOS first when the model uses one)."""
   chars = 6 * n + 1000
+  if text.startswith("needle"):
+    return needle_tokens(tokenizer, n, float(text[len("needle"):]), seed)[0]
   if text == "docs":
     body = docs_text(chars)
   else:
@@ -370,6 +496,8 @@ def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, se
           "capture_s": {key: round(v, 2) for key, v in secs.items()},
           "generated": model.tokenizer.decode(gen.tolist()) if model.tokenizer is not None else gen.tolist(),
           "layer_windows": list(model.cfg.layer_windows), "attn_scale": model.cfg.attn_scale}
+  if text.startswith("needle") and model.tokenizer is not None:
+    meta["needle_span"] = list(needle_tokens(model.tokenizer, n, float(text[len("needle"):]), seed)[1])
   os.makedirs(cache_dir, exist_ok=True)
   tmp = path + f".tmp{os.getpid()}.npz"
   np.savez(tmp, q=q, k=k, tokens=np.asarray(list(tokens) + gen.tolist(), np.int32), meta=json.dumps(meta))
@@ -407,10 +535,13 @@ def pivot_stats(train_topk: np.ndarray, n: int) -> dict:
 
 
 def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, efs, nprobe_fracs, train_queries,
-                train_topk, kk_queries, seed, threads=None, log=print):
+                train_topk, kk_queries, seed, threads=None, log=print, hub_variants=(), scale=None, focus=None):
   """Curve rows (one per head, kind, mode, effort) for one layer.
 
-  q [L, Hq, N+S, D], k [L, Hkv, N+S, D]; the index holds keys [sinks, n - window).
+  q [L, Hq, N+S, D], k [L, Hkv, N+S, D]; the index holds keys [sinks, n - window). Rows carry
+  `curve_rows`' position breakdown and attention-mass recall (softmax scale `scale`, default D^-0.5).
+  hub_variants: each roar index is searched again with each variant's hub seeds (`study_hubs` over the rows
+  it was trained on), rows as kind '<kind>:<variant>'.
   """
   lo, hi_ = sinks, n - window
   if hi_ - lo < k_top:
@@ -428,6 +559,11 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
     dec = {h: q[layer, h, n:n + decode_steps].astype(np.float32) for h in heads}
     truth_kk = exact_topk_np(kk, keys, k_top)
     truth_dec = {h: exact_topk_np(dec[h], keys, k_top) for h in heads}
+    keys32 = keys.astype(np.float32)
+    def true_scores(qs, tr):
+      return np.einsum("qd,qkd->qk", qs, keys32[tr])
+    detail = {"positions": np.arange(lo, hi_), "n_prompt": n,
+              "scale": float(scale) if scale else keys.shape[1] ** -0.5, "focus": focus}
     train_cache = {}
     def head_train(h):  # one exact top-k per query head, shared by every roar variant
       if h not in train_cache:
@@ -454,10 +590,17 @@ def layer_study(q, k, layer, *, n, sinks, window, decode_steps, kinds, k_top, ef
         extra["index_bytes"] = int(index._c.nbytes)  # the index structure, not its keys
         qs = {"Q->K": np.concatenate([dec[x] for x in (heads if h is None else [h])]), "K->K": kk}
         tr = {"Q->K": np.concatenate([truth_dec[x] for x in (heads if h is None else [h])]), "K->K": truth_kk}
+        det = detail | {"truth_scores": {m: true_scores(qs[m], tr[m]) for m in qs}}
         for r in curve_rows(index, base, qs, tr, n_idx, k=k_top, efs=efs, nprobe_fracs=nprobe_fracs,
-                            threads=threads):
+                            threads=threads, detail=det):
           rows.append({"layer": layer, "kv_head": g, "q_head": "group" if h is None else h, "kind": kind,
                        "n_keys": n_idx, **r, "build_s": round(build_s, 3), **extra})
+        for v in (hub_variants if base == "roar" and train else ()):
+          set_hubs(index, study_hubs(np.asarray(train["train_topk"]), n_idx, v))
+          for r in curve_rows(index, base, qs, tr, n_idx, k=k_top, efs=efs, nprobe_fracs=nprobe_fracs,
+                              threads=threads, detail=det):
+            rows.append({"layer": layer, "kv_head": g, "q_head": "group" if h is None else h,
+                         "kind": f"{kind}:{v}", "n_keys": n_idx, **r, "build_s": round(build_s, 3), **extra})
       log(f"layer {layer} kv_head {g} {kind}: built and searched")
   return rows
 
@@ -474,7 +617,7 @@ def aggregate(rows):
     out.append({"layer": layer, "kind": kind, "mode": mode, "effort": effort, "n_keys": rs[0]["n_keys"],
                 "recall": round(float(np.average([r["recall"] for r in rs], weights=w)), 4),
                 "scanned_frac": round(float(np.average([r["scanned_frac"] for r in rs], weights=w)), 5),
-                "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)})
+                "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)} | _detail_agg(rs, w))
   layers = sorted({r["layer"] for r in out})
   by = {}
   for r in out:
@@ -484,8 +627,86 @@ def aggregate(rows):
       out.append({"layer": "all", "kind": kind, "mode": mode, "effort": effort,
                   "n_keys": rs[0]["n_keys"], "recall": round(float(np.mean([r["recall"] for r in rs])), 4),
                   "scanned_frac": round(float(np.mean([r["scanned_frac"] for r in rs])), 5),
-                  "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)})
+                  "build_s": round(float(np.mean([r["build_s"] for r in rs])), 3)} | _detail_agg(rs))
   return out
+
+
+def _detail_agg(rs, w=None) -> dict:
+  """mass_recall (weighted mean) and pos_hits / pos_true (summed: position recall pools the true keys of every
+  head and layer) of rows that carry them."""
+  if not all("pos_true" in r for r in rs):
+    return {}
+  out = {"mass_recall": round(float(np.average([r["mass_recall"] for r in rs], weights=w)), 4),
+         "pos_hits": np.sum([r["pos_hits"] for r in rs], axis=0).tolist(),
+         "pos_true": np.sum([r["pos_true"] for r in rs], axis=0).tolist()}
+  if all("focus_true" in r for r in rs):
+    out |= {"focus_hits": int(sum(r["focus_hits"] for r in rs)), "focus_true": int(sum(r["focus_true"] for r in rs))}
+  return out
+
+
+def pos_recall(r, buckets=None):
+  """Recall of the true keys in `buckets` (default all) from a row's pos_hits / pos_true; None without any."""
+  b = slice(None) if buckets is None else buckets
+  t = np.sum(np.asarray(r["pos_true"])[b])
+  return None if t == 0 else float(np.sum(np.asarray(r["pos_hits"])[b]) / t)
+
+
+POSITION_MARK = "**Recall by key position**"
+
+
+def position_markdown(curves, kinds, fracs=(0.03, 0.05, 0.10), mode="Q->K") -> str:
+  """Two tables from rows with the position breakdown: (1) at equal scanned fractions, per layer and kind,
+  recall / recall of the true keys in the prompt's first 10% / attention-mass recall; (2) layer 'all' (or the
+  only layer) per kind and ef: scanned, recall, mass recall and the recall of each prompt decile."""
+  det = [r for r in curves if r["mode"] == mode and "pos_true" in r]
+  present = [x for x in kinds if x != "flat" and any(r["kind"] == x for r in det)]
+  if not present:
+    return ""
+  metrics = (("all", lambda r: r["recall"]), ("first 10%", lambda r: pos_recall(r, [0])),
+             ("mass", lambda r: r["mass_recall"]))
+  focus = all("focus_true" in r for r in det)
+  if focus:
+    metrics += (("needle", lambda r: r["focus_hits"] / r["focus_true"] if r["focus_true"] else None),)
+  text = [f"{POSITION_MARK} ({mode}): recall@100 / recall of the true top-100 keys at prompt positions < 10% "
+          "(the farthest from the decode queries) / attention-mass recall (softmax mass of the returned keys over "
+          "that of the true top-100)" + (" / recall of the true top-100 keys inside the needle's token span"
+                                          if focus else "") + ", at equal scanned fraction " + " / ".join(f"{100 * f:g}%" for f in fracs)
+          + " (log-linear along the ef sweep; -: outside the curve)\n",
+          "| layer | kind | " + " | ".join(f"{100 * f:g}% scanned" for f in fracs) + " |",
+          "|---|---|" + "---|" * len(fracs)]
+  layers = list(dict.fromkeys(r["layer"] for r in det))
+  for layer in layers:
+    for kind in present:
+      rs = sorted((r for r in det if r["kind"] == kind and r["layer"] == layer), key=lambda r: _effort_key(r["effort"]))
+      cells = []
+      for f in fracs:
+        vals = []
+        for _, fn in metrics:
+          pts = [(r["scanned_frac"], fn(r)) for r in rs if fn(r) is not None]
+          v = recall_at(pts, f) if pts else None
+          vals.append("-" if v is None else f"{v:.3f}")
+        cells.append(" / ".join(vals))
+      text.append(f"| {layer} | {kind} | " + " | ".join(cells) + " |")
+  last = "all" if "all" in layers else layers[-1]
+  rs = [r for r in det if r["layer"] == last]
+  true = next(r["pos_true"] for r in rs)
+  if focus:
+    text += ["", "True top-100 keys inside the needle's span (summed over heads and queries), per layer: "
+             + ", ".join(f"{layer}: {next(r['focus_true'] for r in det if r['layer'] == layer)}" for layer in layers)]
+  text += ["", f"Layer {last}, per ef: recall of the true top-100 keys by prompt decile of the key's position "
+           f"(decile 0 = the first 10% of the prompt; true keys per decile, summed over heads and queries: "
+           f"{', '.join(map(str, true))})\n",
+           "| kind | ef | scanned % | recall | mass | " + " | ".join(f"d{i}" for i in range(len(true)))
+           + (" | needle" if focus else "") + " |",
+           "|---|---|---|---|---|" + "---|" * (len(true) + focus)]
+  for kind in present:
+    for r in sorted((r for r in rs if r["kind"] == kind), key=lambda r: _effort_key(r["effort"])):
+      dec = [pos_recall(r, [i]) for i in range(len(true))]
+      text.append(f"| {kind} | {r['effort']} | {100 * r['scanned_frac']:.2f} | {r['recall']:.4f} | "
+                  f"{r['mass_recall']:.4f} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in dec)
+                  + (f" | {r['focus_hits'] / r['focus_true']:.3f}" if focus and r["focus_true"] else
+                     " | -" if focus else "") + " |")
+  return "\n".join(text) + "\n"
 
 
 def _effort_key(e):
@@ -673,8 +894,10 @@ def default_layers(cfg_windows, n_layers):
 
 def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds, k_top, efs, nprobe_fracs,
              train_queries, train_topk, kk_queries, seed, cache_dir, name, out_dir, make_plot, threads=None,
-             model=None, log=print):
+             model=None, log=print, hub_variants=()):
   """The whole real-vector study; returns (curve rows, summary rows, notes)."""
+  for v in hub_variants:
+    parse_hub_variant(v)
   from experiments.results_io import write_results
 
   t0 = time.perf_counter()
@@ -698,9 +921,11 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
     rows += layer_study(q, k, layer, n=n, sinks=sinks, window=window, decode_steps=decode_steps, kinds=kinds,
                         k_top=k_top, efs=efs, nprobe_fracs=nprobe_fracs, train_queries=train_queries,
                         train_topk=train_topk, kk_queries=kk_queries, seed=seed, threads=threads,
-                        log=lambda s: None)
+                        log=lambda s: None, hub_variants=hub_variants, scale=meta.get("attn_scale"),
+                        focus=meta.get("needle_span"))
     log(f"layer {layer}: {time.perf_counter() - tl:.1f} s")
   study_s = time.perf_counter() - t1
+  kinds = list(kinds) + [f"{x}:{v}" for x in kinds if parse_kind(x)[0] == "roar" for v in hub_variants]
   curves = aggregate(rows)
   summary = summarize(curves, kinds)
   piv = [r for r in rows if r["kind"] == "roar" and r["mode"] == "Q->K"]
@@ -732,7 +957,11 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
       + ("Pivot concentration (roar training queries' nearest indexed key):\n\n"
          + "\n".join(f"- {s}" for s in piv_lines) + "\n" if piv_lines else "")
       + "\n" + build_markdown(rows, kinds, threads)
-      + "\nRows below: curves, mean over the heads of each layer (layer 'all' = mean over layers).\n")
+      + ("\n" + position_markdown(curves, kinds, REAL_FRACS) if any("pos_true" in r for r in curves) else "")
+      + ("\nHub variants (`<kind>:<variant>`): the same built index searched again with other hub seeds "
+         "(see `study_hubs`); " + ", ".join(hub_variants) + ".\n" if hub_variants else "")
+      + "\nRows below: curves, mean over the heads of each layer (layer 'all' = mean over layers; pos_hits / "
+      "pos_true: true top-k keys found / present per prompt decile, summed over heads and layers).\n")
   if not name:
     name = f"recall_{re.sub(r'[^a-z0-9]+', '', model_name.lower())}_{n // 1024}k"
   doc = write_results(name, curves, out_dir=out_dir or None, notes=notes)
@@ -741,11 +970,18 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
   doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {"study_s": round(study_s, 1)}
   doc["build"] = build_cost(rows)
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
-  (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+  (directory / f"{name}.json").write_text(json_text(doc))
   if make_plot:
     plot(curves, kinds, directory / f"{name}.png",
          f"{meta['model']}, N={n} ({n_idx} indexed keys/head), recall@{k_top} vs scanned fraction")
   return curves, summary, notes
+
+
+def json_text(doc) -> str:
+  """json.dumps(doc, indent=1), with lists of integers (the position counts) kept on one line."""
+  text = json.dumps(doc, indent=1)
+  return re.sub(r"\[\n\s*(-?\d+(?:,\n\s*-?\d+)*)\n\s*\]",
+                lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text) + "\n"
 
 
 def rerender(path, *, make_plot=True):
@@ -1118,12 +1354,14 @@ def main(argv):
     for kind in _KINDS.value:
       parse_kind(kind)
     layers = [int(x) for x in _LAYERS.value]
+    text = f"needle{_NEEDLE_DEPTH.value:g}" if _TEXT.value == "needle" else _TEXT.value
     _, summary, notes = run_real(
-        _MODEL.value, n=_CONTEXT.value, decode_steps=_STEPS.value, text=_TEXT.value, layers=layers,
+        _MODEL.value, n=_CONTEXT.value, decode_steps=_STEPS.value, text=text, layers=layers,
         sinks=_SINKS.value, window=_WINDOW.value, kinds=_KINDS.value, k_top=_K.value, efs=efs,
         nprobe_fracs=[float(f) for f in _NPROBE_FRACS.value], train_queries=_TRAIN_Q.value,
         train_topk=_TRAIN_K.value, kk_queries=_KK_Q.value, seed=_SEED.value, cache_dir=_CACHE.value,
-        name=_NAME.value, out_dir=_OUT.value, make_plot=_PLOT.value, threads=_THREADS.value)
+        name=_NAME.value, out_dir=_OUT.value, make_plot=_PLOT.value, threads=_THREADS.value,
+        hub_variants=_HUBS.value)
     print(notes)
     return
   if _DATA.value != "synthetic":

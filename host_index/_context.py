@@ -237,8 +237,8 @@ class HostContext:
         KV head g's index trains on the G*M rows of its query heads
         gG..gG+G-1, interleaved position-major (row m*G + j = head gG+j's
         m-th query, see `group_rows`), so the rows stay in prompt order and
-        the hub seeds (picked from the last quarter of the rows) still come
-        from the end of the prompt.
+        the hub seeds (half from the last 64 rows, the rest from the last
+        quarter's) still come from the end of the prompt.
         """
         self.store._require_floats("HostContext.build_layer")
         seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]

@@ -14,8 +14,10 @@ Kinds:
          reachability repair; then n_cooc co-occurrence links per key (to the
          keys whose training-query sets overlap its own most, by
          count / sqrt(frequency)); best-first search from the key nearest the
-         mean plus n_hubs seeds (the keys the last quarter of the training
-         queries rank high most often).
+         mean plus n_hubs seeds: half the keys the last 64 training rows
+         (the prompt's end) rank high most often, half spread over eight
+         position strata of the keys, each stratum's most frequent in the
+         last quarter's top lists (far needles; host_index/NOTES_roar.md).
 
 Search always maximises the inner product q.k. `ef` is the candidate-list size
 for graph/roar (default max(64, k); an ef below k keeps a beam of ef and
@@ -335,8 +337,9 @@ def build_index(keys, *, kind: str = "flat", train_queries=None, train_topk=None
             key to the keys that share the most training top-n_q lists with it
             (0: RoarGraph's graph alone); keys inserted later get none. n_hubs
             (roar): keys every search scores besides the entry (counted in
-            `scanned`), the most frequent in the top lists of the last quarter
-            of train_queries/train_topk rows, which must be in prompt order.
+            `scanned`): half from the top lists of the last 64 train_queries /
+            train_topk rows, half from the last quarter's, spread over eight key
+            strata; rows and keys must be in prompt order.
 
     Returns:
         An Index with search / insert / len.

@@ -71,3 +71,112 @@ def test_study_end_to_end(tmp_path):
   prompt = data["tokens"][:400].tolist()
   ref = kvjax.generate(model, prompt, max_new_tokens=3, policy="full", stop_tokens=[])
   assert ref.tokens[0] == data["tokens"][400:].tolist()
+
+
+def test_position_recall_matches_brute_force():
+  rng = np.random.default_rng(0)
+  n, q, k, n_prompt, lo, bins = 50, 7, 6, 64, 5, 10
+  positions = np.arange(lo, lo + n)
+  truth = np.stack([rng.choice(n, k, replace=False) for _ in range(q)])
+  ids = np.stack([rng.choice(n, k, replace=False) for _ in range(q)])
+  ids[0, -2:] = -1  # padding is never a hit
+  hits, true = recall.position_recall(ids, truth, positions, n_prompt=n_prompt, bins=bins)
+  want_h, want_t = np.zeros(bins, int), np.zeros(bins, int)
+  for i in range(q):
+    got = {int(x) for x in ids[i] if x >= 0}
+    for t in truth[i]:
+      b = min(bins - 1, int(positions[t]) * bins // n_prompt)
+      want_t[b] += 1
+      want_h[b] += int(t) in got
+  np.testing.assert_array_equal(hits, want_h)
+  np.testing.assert_array_equal(true, want_t)
+  assert hits.sum() / true.sum() == pytest.approx(recall.recall_matrix(ids, truth, n).mean())
+
+
+def test_mass_recall_matches_brute_force():
+  rng = np.random.default_rng(1)
+  keys, qs = rng.normal(size=(40, 8)).astype(np.float32), rng.normal(size=(5, 8)).astype(np.float32)
+  k, scale = 6, 0.7
+  truth = recall.exact_topk_np(qs, keys, k)
+  ids = np.stack([rng.choice(40, k, replace=False) for _ in range(5)])
+  ids[1, 0] = -1
+  scores = np.where(ids >= 0, np.einsum("qd,qkd->qk", qs, keys[np.maximum(ids, 0)]), -np.inf)
+  got = recall.mass_recall(ids, scores, np.einsum("qd,qkd->qk", qs, keys[truth]), scale)
+  for i in range(5):
+    p = np.exp(scale * (qs[i] @ keys.T))
+    p /= p.sum()
+    assert got[i] == pytest.approx(sum(p[j] for j in ids[i] if j >= 0) / p[truth[i]].sum(), rel=1e-5)
+  assert (got <= 1 + 1e-9).all()
+  np.testing.assert_allclose(recall.mass_recall(truth, np.einsum("qd,qkd->qk", qs, keys[truth]),
+                                                np.einsum("qd,qkd->qk", qs, keys[truth]), scale), 1.0)
+
+
+def test_study_hubs_variants():
+  rng = np.random.default_rng(2)
+  n, m = 200, 64
+  topk = np.stack([rng.choice(n, 10, replace=False) for _ in range(m)])
+  q4 = recall.study_hubs(topk, n, "q4_h8")
+  cnt = np.bincount(topk[m - m // 4:].ravel(), minlength=n)
+  np.testing.assert_array_equal(q4, np.lexsort((np.arange(n), -cnt))[:8])
+  tail = recall.study_hubs(topk, n, "tail4_h8")
+  cnt4 = np.bincount(topk[-4:].ravel(), minlength=n)
+  np.testing.assert_array_equal(tail[:4], np.lexsort((np.arange(n), -cnt4))[:4])
+  assert len(set(tail.tolist())) == 8 and set(tail[4:].tolist()) <= set(np.flatnonzero(cnt).tolist())
+  strat = recall.study_hubs(topk, n, "strat4_h8")
+  assert len(set(strat.tolist())) == 8
+  assert [sum(j * n // 4 <= h < (j + 1) * n // 4 for h in strat) for j in range(4)] == [2, 2, 2, 2]
+  with pytest.raises(ValueError):
+    recall.parse_hub_variant("tailx")
+
+
+def test_study_position_breakdown_and_hub_variants(tmp_path):
+  from models.registry import load_model
+
+  model = load_model("random:tiny")
+  curves, summary, notes = recall.run_real(
+      "random:tiny", n=400, decode_steps=3, text="docs", layers=[1], sinks=8, window=32, kinds=["roar"],
+      k_top=10, efs=[10, 40], nprobe_fracs=[1.0], train_queries=128, train_topk=10, kk_queries=16, seed=0,
+      cache_dir=str(tmp_path / "cache"), name="recall_pos", out_dir=str(tmp_path), make_plot=False, model=model,
+      log=lambda s: None, hub_variants=["q4", "tail64strat8", "tail8"])
+  assert {r["kind"] for r in curves} == {"roar", "roar:q4", "roar:tail64strat8", "roar:tail8"}
+  for r in curves:
+    assert sum(r["pos_true"]) == 10 * 4 * (3 if r["mode"] == "Q->K" else 16)  # 4 query-head indexes: 3 steps, 16 keys
+    assert sum(r["pos_hits"]) / sum(r["pos_true"]) == pytest.approx(r["recall"], abs=1e-4)
+    assert 0 < r["mass_recall"] <= 1 + 1e-9
+  # tail64strat8 is what the C build picks (q4 before): the same searches.
+  by = {(r["kind"], r["mode"], r["effort"]): r for r in curves}
+  for (kind, mode, ef), r in by.items():
+    if kind == "roar":
+      assert by[("roar:tail64strat8", mode, ef)]["recall"] == r["recall"]
+      assert by[("roar:tail64strat8", mode, ef)]["scanned_frac"] == r["scanned_frac"]
+  md = (tmp_path / "recall_pos.md").read_text()
+  assert recall.POSITION_MARK in md and "| roar:tail8 |" in md
+
+
+def test_needle_tokens_place_the_needle_and_keep_the_question():
+  from kvjax.prompts import PASSKEY_QUESTION
+
+  class Chars:  # one token per character
+    def encode(self, s):
+      return [ord(c) for c in s]
+
+  ids, (a, b) = recall.needle_tokens(Chars(), 3000, 0.1, seed=0)
+  text = "".join(map(chr, ids))
+  assert len(ids) == 3000 and text.endswith(PASSKEY_QUESTION)
+  assert a == 300 and text[a:b].strip().startswith("The pass key is") and text.count("The pass key is") == 2  # the needle and the question
+
+
+def test_curve_rows_focus_span_counts_its_true_keys():
+  class Fixed:  # an "index" returning fixed ids
+    def search(self, queries, k, ef=None, threads=None):
+      ids = np.array([[0, 1, 2], [3, 4, 9]])
+      return ids, np.zeros(ids.shape, np.float32), np.full(len(ids), 5)
+
+  truth = np.array([[0, 5, 6], [3, 4, 5]])
+  detail = {"positions": np.arange(10, 20), "n_prompt": 20, "scale": 1.0, "focus": (13, 16),
+            "truth_scores": {"Q->K": np.zeros((2, 3), np.float32)}}
+  (row,) = recall.curve_rows(Fixed(), "graph", {"Q->K": np.zeros((2, 4))}, {"Q->K": truth}, 10, k=3, efs=[8],
+                             nprobe_fracs=[], detail=detail)
+  # keys 3, 4, 5 sit at positions 13-15: true there are 5 (row 0) and 3, 4, 5 (row 1); found: 3, 4.
+  assert (row["focus_hits"], row["focus_true"]) == (2, 4)
+  assert sum(row["pos_true"]) == 6 and sum(row["pos_hits"]) == 3

@@ -520,36 +520,72 @@ static inline int cooc_better(float ca, int32_t ia, float cb, int32_t ib) {
   return ca > cb || (ca == cb && ia < ib);
 }
 
-/* Hubs: the n_hubs keys (count > 0) most frequent in the top lists of the
- * last quarter of the training queries (the end of the prompt, which decode
- * queries continue), ties by smaller id. A search scores them all besides
- * the entry, so it starts next to the keys recent queries rank high. */
+/* The `want` keys of [lo, hi) with the largest cnt (> 0) not yet taken, appended to
+ * out[*nout..] in descending count, ties by smaller id; each is marked taken. */
+static void top_by_count(const int32_t *cnt, int64_t lo, int64_t hi, int want, unsigned char *taken,
+                         int32_t *out, int *nout) {
+  int32_t *sel = out + *nout;
+  int ns = 0;
+  for (int64_t v = lo; v < hi && want > 0; v++) {
+    const int32_t c = cnt[v];
+    if (c <= 0 || taken[v] || (ns == want && c <= cnt[sel[ns - 1]])) continue;
+    int pos = ns < want ? ns++ : want - 1;
+    while (pos > 0 && c > cnt[sel[pos - 1]]) { /* ascending v: ties keep the smaller id */
+      sel[pos] = sel[pos - 1];
+      pos--;
+    }
+    sel[pos] = (int32_t)v;
+  }
+  for (int j = 0; j < ns; j++) taken[sel[j]] = 1;
+  *nout += ns;
+}
+
+static void count_rows(int32_t *cnt, int64_t n, const int32_t *tk, int64_t from, int64_t m, int nq) {
+  memset(cnt, 0, (size_t)n * sizeof(int32_t));
+  for (int64_t i = from * nq; i < m * nq; i++)
+    if (tk[i] >= 0) cnt[tk[i]]++;
+}
+
+/* Hub seeds (n_hubs of them), scored with the entry at every search and seeding the beam:
+ *  - n_hubs / 2: the keys most frequent in the top lists of the last HUB_TAIL_ROWS training rows
+ *    (the prompt's last queries -- the question -- which decoding continues from);
+ *  - the rest shared over HUB_STRATA equal strata of the key range (prompt order; the first
+ *    strata get the remainder), each stratum's keys most frequent in the top lists of the last
+ *    quarter of the rows, so every part of the prompt has an entry into the co-occurrence graph;
+ *  - any shortfall (a stratum with too few keys seen): the last quarter's most frequent overall.
+ * Counts > 0 only, ties by smaller id, no key twice. Until the far-key study in NOTES_roar.md all
+ * hubs were the last quarter's most frequent keys; far keys that only the last queries rank high
+ * (a needle early in a long prompt) were then often not reached at ef 100. */
+#define HUB_TAIL_ROWS 64
+#define HUB_STRATA 8
 static int pick_hubs(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, int nq) {
-  int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
-  int32_t *hubs = malloc((size_t)ix->p.n_hubs * sizeof(int32_t));
-  if (!cnt || !hubs) {
+  const int nh = ix->p.n_hubs;
+  int32_t *cnt = malloc((size_t)n * sizeof(int32_t));
+  unsigned char *taken = calloc((size_t)n, 1);
+  int32_t *hubs = malloc((size_t)nh * sizeof(int32_t));
+  if (!cnt || !taken || !hubs) {
     free(cnt);
+    free(taken);
     free(hubs);
     return HI_ENOMEM;
   }
-  int64_t from = m - (m / 4 > 0 ? m / 4 : 1);
-  for (int64_t i = from * nq; i < m * nq; i++)
-    if (tk[i] >= 0) cnt[tk[i]]++;
-  int nh = 0;
-  for (int64_t v = 0; v < n; v++) {
-    const int32_t c = cnt[v];
-    if (c <= 0 || (nh == ix->p.n_hubs && c <= cnt[hubs[nh - 1]])) continue;
-    int pos = nh < ix->p.n_hubs ? nh++ : ix->p.n_hubs - 1;
-    while (pos > 0 && c > cnt[hubs[pos - 1]]) { /* ascending v: ties keep the smaller id */
-      hubs[pos] = hubs[pos - 1];
-      pos--;
-    }
-    hubs[pos] = (int32_t)v;
+  int got = 0;
+  if (HUB_TAIL_ROWS > 0) {
+    count_rows(cnt, n, tk, m > HUB_TAIL_ROWS ? m - HUB_TAIL_ROWS : 0, m, nq);
+    top_by_count(cnt, 0, n, nh / 2, taken, hubs, &got);
   }
+  count_rows(cnt, n, tk, m - (m / 4 > 0 ? m / 4 : 1), m, nq);
+  if (HUB_STRATA > 0) {
+    const int left = nh - got, s = HUB_STRATA;
+    for (int j = 0; j < s; j++)
+      top_by_count(cnt, j * n / s, (j + 1) * n / s, left / s + (j < left % s), taken, hubs, &got);
+  }
+  top_by_count(cnt, 0, n, nh - got, taken, hubs, &got);
   free(cnt);
+  free(taken);
   free(ix->hubs);
   ix->hubs = hubs;
-  ix->nhubs = nh;
+  ix->nhubs = got;
   return HI_OK;
 }
 

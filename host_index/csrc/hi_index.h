@@ -24,8 +24,9 @@ typedef struct {
   int n_pivots;        /* roar: how many of each query's top keys act as pivots */
   int n_cooc;          /* roar: extra out-edges per key to the keys that share the most
                           training queries' top-n_q lists with it (0: none) */
-  int n_hubs;          /* roar: extra search seeds, the keys most frequent in the top
-                          lists of the last quarter of the training queries (0: none) */
+  int n_hubs;          /* roar: extra search seeds from the top lists of the last 64
+                          training rows and of the last quarter's, spread over key
+                          strata (hi_graph.c pick_hubs; 0: none) */
   int metric;          /* hi_metric: neighbour selection / build navigation */
   float alpha;         /* RNG pruning slack (>= 1 keeps more edges; L2 only) */
   int nlist;           /* ivf: number of lists (0: 4*sqrt(n)) */
