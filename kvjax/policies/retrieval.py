@@ -170,7 +170,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     roar: max(64, topk)). A decode option: a saved context takes another. Needles early in a 32K
     prompt are what a narrow beam loses: niah_single_1 on Qwen2.5-0.5B, 50 samples, scored 0.94 /
     0.92 / 0.98 at ef 100 / 200 / 400 for 9.2 / 10.1 / 12.0 ms a token, every miss a needle in the
-    first 18% (experiments/results/ruler_qwen_32k_single1_ef.md).
+    first 18% (experiments/results/ruler_qwen_32k_single1_ef.md; roar's hub seeds before f8a5e97,
+    whose new seeds kept one such needle at ef 100 on the CPU: ..._single1_seed39_hubs_cpu.md).
   dense_layers: layers attended densely on the device.
   train_queries: prefill queries per head kept to train roar (strided over the prompt).
   train_topk: N_q, each training query's exact top keys linked by roar.
