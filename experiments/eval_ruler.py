@@ -46,10 +46,10 @@ def main(argv):
   results_io.commit()  # stamped on every rewrite of the results: the commit this run started at
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  xla_note = eval_common.use_determinism(FLAGS.deterministic)
   if FLAGS.combine:
     combine(FLAGS.combine)
     return
+  xla_note = eval_common.use_determinism(FLAGS.deterministic)
   unknown = [t for t in FLAGS.tasks if t not in kveval.task_names()]
   if unknown:
     raise app.UsageError(f"--tasks: unknown {unknown}; known: {', '.join(kveval.task_names())}")
