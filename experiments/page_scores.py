@@ -5,13 +5,15 @@ max and min (`kvjax.policies.freekv.page_scores`). On RULER samples this study c
 real post-RoPE queries and keys under full attention (experiments/recall.py's capture), then,
 at every decode step, layer and KV head, scores the complete pages between the sinks and the
 window with each variant below, pools them over the GQA group as freekv does (softmax per
-query head, mean over the group), keeps the top `--pages`, and reports:
+query head, mean over the group), keeps the top `--pages` (each budget in the list), and reports:
 
 - recovery: the share of full attention's mass on the candidate pages that the kept pages
   hold (mean over steps, layers and KV heads);
-- retrieval heads: the (step, layer, KV head) cases where some query head of the group puts
-  more than `--needle_share` of its whole attention on the page holding the answer's first
-  token, and how often each variant does not keep that page.
+- retrieval heads: the (step, layer, KV head, answer) cases where some query head of the group
+  puts more than `--needle_share` of its whole attention on the page holding an answer's first
+  token, and how often each variant does not keep that page. Tasks with several answers
+  (niah_multiquery, niah_multivalue) count each answer's page: the decode turns from one
+  needle to the next, and a selection must follow it.
 
 Variants: `minmax` (freekv's bound; checked against page_scores itself), `minmax_sub8` (the
 same bound over 8-token sub-pages, max over them), `keys{1,2,4}bit` (every key quantized per
@@ -20,6 +22,8 @@ channel to 1/2/4 bits over the candidate range; page score = max over its tokens
 (4·D bytes): min/max 1/32, 2-bit keys 1/16, 4-bit keys 1/8.
 
     python experiments/page_scores.py --task=niah_single_2 --length=4096 --seeds=30,31,32,33
+    python experiments/page_scores.py --model=qwen2.5-0.5b --task=niah_multiquery --length=32000 \
+        --seeds=1 --steps=48 --pages=32,64
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ import results_io  # noqa: E402
 _O = {"allow_override": True}
 
 flags.DEFINE_string("model", "smollm2", "Model name (kvjax.load_model).", **_O)
-flags.DEFINE_string("task", "niah_single_2", "A kvjax.eval task with one answer in the context.", **_O)
+flags.DEFINE_string("task", "niah_single_2", "A kvjax.eval task whose answers stand in the context.", **_O)
 flags.DEFINE_integer("length", 4096, "Prompt text tokens.", **_O)
 flags.DEFINE_list("seeds", ["30", "31", "32", "33"], "Sample seeds.", **_O)
 flags.DEFINE_integer("steps", 8, "Greedy decode steps captured per sample.", **_O)
 flags.DEFINE_integer("page_size", 32, "Tokens per page (freekv's default).", **_O)
 flags.DEFINE_integer("sinks", 512, "First tokens kept on the device (freekv's default).", **_O)
 flags.DEFINE_integer("window", 512, "Last tokens kept on the device (freekv's default).", **_O)
-flags.DEFINE_integer("pages", 32, "Pages kept per KV head (freekv's default budget: 32).", **_O)
+flags.DEFINE_list("pages", ["32"], "Pages kept per KV head, one or more budgets (freekv's default: 32).", **_O)
 flags.DEFINE_float("needle_share", 0.3, "Attention share on the answer's page that marks a retrieval head.", **_O)
 flags.DEFINE_string("out_dir", None, "Results directory.", **_O)
 flags.DEFINE_string("name", "page_scores_smollm2_4k_niah2", "Results stem.", **_O)
@@ -102,7 +106,30 @@ def check_against_freekv(qg, pages, scale: float, pooled) -> None:
   np.testing.assert_allclose(np.asarray(got)[0, 0], pooled, rtol=1e-4, atol=1e-6)
 
 
-def study_sample(model, seed: int) -> list[dict]:
+def new_tally(budgets) -> dict:
+  return {(v, b): dict(recovery=[], cases=0, missed=0, ranks=[]) for v in VARIANTS for b in budgets}
+
+
+def score_case(tally: dict, qg, pages, mass, needle_pages, scale: float, share: float) -> None:
+  """Adds one (step, layer, KV head) to `tally` (new_tally's): queries qg [G, D], candidate
+  pages [N, P, D], full attention's mass mass [G, N] on them, the answers' pages needle_pages
+  (indices into the N pages; out of range = not a candidate yet)."""
+  n = len(pages)
+  hot = [p for p in needle_pages if 0 <= p < n and mass[:, p].max() > share]  # retrieval-head cases
+  for v, s in variant_scores(qg, pages, scale).items():
+    pooled = softmax(s).mean(0)
+    order = np.argsort(-pooled)
+    ranks = [int((pooled > pooled[p]).sum()) for p in hot]
+    for (variant, budget), t in tally.items():
+      if variant != v:
+        continue
+      t["recovery"].append(mass[:, order[:budget]].sum() / max(mass.sum(), 1e-30))
+      t["cases"] += len(hot)
+      t["missed"] += sum(r >= budget for r in ranks)
+      t["ranks"] += ranks
+
+
+def study_sample(model, seed: int, budgets: list[int]) -> list[dict]:
   from kvjax.eval import tasks
   from kvjax.eval.runner import prompt_ids
 
@@ -113,9 +140,9 @@ def study_sample(model, seed: int) -> list[dict]:
   L, Hq, _, D = q.shape
   Hkv, G, n = k.shape[1], Hq // k.shape[1], len(ids)
   P, S, W = FLAGS.page_size, FLAGS.sinks, FLAGS.window
-  needle_page = (answer_token(model.tokenizer, ids, sample.answers[0]) - S) // P
+  needle_pages = [(answer_token(model.tokenizer, ids, a) - S) // P for a in sample.answers]
   scale = model.cfg.attn_scale
-  tally = {v: dict(recovery=[], cases=0, missed=0, ranks=[]) for v in VARIANTS}
+  tally = new_tally(budgets)
   checked = False
   for t in range(FLAGS.steps):
     pos = n + t  # decode step t's query; it attends keys 0..pos
@@ -127,34 +154,26 @@ def study_sample(model, seed: int) -> list[dict]:
         qg, keys = q[layer, h * G:(h + 1) * G, pos], k[layer, h, :pos + 1]
         pages = keys[S:S + num_pages * P].reshape(num_pages, P, D)
         mass = softmax(scale * qg @ keys.T)[:, S:S + num_pages * P].reshape(G, num_pages, P).sum(-1)
-        retrieval_head = 0 <= needle_page < num_pages and mass[:, needle_page].max() > FLAGS.needle_share
-        for v, s in variant_scores(qg, pages, scale).items():
-          pooled = softmax(s).mean(0)
-          if v == "minmax" and not checked:
-            check_against_freekv(qg, pages, scale, pooled)
-            checked = True
-          kept = np.argsort(-pooled)[:FLAGS.pages]
-          tally[v]["recovery"].append(mass[:, kept].sum() / max(mass.sum(), 1e-30))
-          if retrieval_head:
-            rank = int((pooled > pooled[needle_page]).sum())
-            tally[v]["cases"] += 1
-            tally[v]["missed"] += rank >= FLAGS.pages
-            tally[v]["ranks"].append(rank)
+        if not checked:  # the NumPy bound is freekv's own, once per sample
+          check_against_freekv(qg, pages, scale, softmax(variant_scores(qg, pages, scale)["minmax"]).mean(0))
+          checked = True
+        score_case(tally, qg, pages, mass, needle_pages, scale, FLAGS.needle_share)
   text = model.tokenizer.decode(generated.tolist())
-  return [dict(seed=seed, variant=v, full_generation=text, full_correct=sample.answers[0] in text,
-               needle_page=needle_page, recovery=round(float(np.mean(r["recovery"])), 4),
+  return [dict(seed=seed, variant=v, pages=b, full_generation=text, full_score=sample.score(text),
+               needle_pages=" ".join(map(str, needle_pages)), recovery=round(float(np.mean(r["recovery"])), 4),
                retrieval_head_cases=r["cases"], needle_page_missed=r["missed"],
                median_needle_rank=float(np.median(r["ranks"])) if r["ranks"] else None)
-          for v, r in tally.items()]
+          for (v, b), r in tally.items()]
 
 
 def summarize(rows: list[dict]) -> list[dict]:
   out = []
-  for v in VARIANTS:
-    mine = [r for r in rows if r["variant"] == v]
+  for v, b in dict.fromkeys((r["variant"], r["pages"]) for r in rows):
+    mine = [r for r in rows if (r["variant"], r["pages"]) == (v, b)]
     cases = sum(r["retrieval_head_cases"] for r in mine)
     missed = sum(r["needle_page_missed"] for r in mine)
-    out.append(dict(variant=v, samples=len(mine), recovery=round(float(np.mean([r["recovery"] for r in mine])), 4),
+    out.append(dict(variant=v, pages=b, samples=len(mine),
+                    recovery=round(float(np.mean([r["recovery"] for r in mine])), 4),
                     retrieval_head_cases=cases, needle_page_missed=missed,
                     missed_share=round(missed / cases, 3) if cases else None))
   return out
@@ -164,13 +183,17 @@ def main(argv):
   del argv
   import kvjax
 
+  budgets = [int(b) for b in FLAGS.pages]
+  if not budgets or min(budgets) < 1:
+    raise app.UsageError(f"--pages={FLAGS.pages}: budgets must be positive page counts")
   results_io.commit()
   model = kvjax.load_model(FLAGS.model, dtype="float32")
   rows = []
   for seed in (int(s) for s in FLAGS.seeds):
-    rows += study_sample(model, seed)
-    print(*[f"{r['variant']}: recovery {r['recovery']}, missed {r['needle_page_missed']}/{r['retrieval_head_cases']}"
-            for r in rows[-len(VARIANTS):]], sep="\n", flush=True)
+    mine = study_sample(model, seed, budgets)
+    rows += mine
+    print(*[f"{r['variant']} {r['pages']} pages: recovery {r['recovery']}, missed "
+            f"{r['needle_page_missed']}/{r['retrieval_head_cases']}" for r in mine], sep="\n", flush=True)
     results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=__doc__.split("\n\n")[1],
                              summary=summarize(rows))
 

@@ -51,3 +51,18 @@ class _CharTokenizer:
 def test_answer_token_finds_the_token_that_starts_the_answer():
   ids = [ord(c) for c in "the key is 4711."]
   assert ps.answer_token(_CharTokenizer(), ids, "4711") == 11
+
+
+def test_score_case_counts_each_answer_page_and_each_budget():
+  qg, pages = _case(3, n=12)
+  mass = np.zeros((3, 12))
+  mass[0, 2], mass[1, 9], mass[2, 5] = 0.6, 0.5, 0.1  # answers on pages 2 and 9 are hot, 5 is not
+  tally = ps.new_tally([1, 12])
+  ps.score_case(tally, qg, pages, mass, [2, 9, 5, 40], scale=0.25, share=0.3)  # page 40: not a candidate yet
+  pooled = ps.softmax(ps.variant_scores(qg, pages, 0.25)["oracle"]).mean(0)
+  ranks = [int((pooled > pooled[p]).sum()) for p in (2, 9)]
+  assert tally["oracle", 12]["cases"] == 2 and tally["oracle", 12]["missed"] == 0  # every page kept
+  assert tally["oracle", 1]["missed"] == sum(r >= 1 for r in ranks) and tally["oracle", 1]["ranks"] == ranks
+  top = int(np.argmax(pooled))
+  np.testing.assert_allclose(tally["oracle", 1]["recovery"], [mass[:, top].sum() / mass.sum()])
+  np.testing.assert_allclose(tally["minmax", 12]["recovery"], [1.0])
