@@ -28,6 +28,8 @@ POLICY_FLAGS = {
     "lag": "lag",
     "successors": "successors",
     "successor_sources": "successor_sources",
+    "pinned": "pinned",
+    "pinned_span": "pinned_span",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -71,6 +73,10 @@ def define_flags() -> None:
                        "found them.")
   flags.DEFINE_integer("successor_sources", None, "retrieval per_step bridge: how many of each head's best "
                        "retrieved ids get successors (default 8).")
+  flags.DEFINE_integer("pinned", None, "retrieval per_step bridge: each query head's best ids for the prompt's last "
+                       "query kept in every step's selection, with the tokens after them (default 0: none).")
+  flags.DEFINE_integer("pinned_span", None, "retrieval per_step bridge: tokens kept from each pinned id on "
+                       "(default 16).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

@@ -67,10 +67,11 @@ def slot_stores(
   return [(int(f) % batch, int(f) // batch) for f in flat], store_of, (dest % per_store) // slots // group
 
 
-def selection_slots(topk: int, tail_slots: int, successors: int, sources: int) -> int:
-  """Device buffer rows per (layer, seq, query head): top-k, tail and the successors of the
-  best `sources` of the top-k."""
-  return topk + min(sources, topk) * successors + tail_slots
+def selection_slots(topk: int, tail_slots: int, successors: int, sources: int, pinned: int = 0,
+                    pinned_span: int = 1) -> int:
+  """Device buffer rows per (layer, seq, query head): top-k, tail, the successors of the best
+  `sources` of the top-k and `pinned` spans of `pinned_span` tokens."""
+  return topk + min(sources, topk) * successors + tail_slots + pinned * pinned_span
 
 
 def successor_ids(found, stored, count: int, age=None):
@@ -89,6 +90,15 @@ def successor_ids(found, stored, count: int, age=None):
   ids = start[..., None] + np.arange(1, count + 1)
   ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
   return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
+
+
+def span_ids(starts, stored, span: int):
+  """Each start id and the `span - 1` store ids after it (-1 where no start or past the store).
+
+  starts [T, B, Hq, p], stored [T, B] -> [T, B, Hq, p * span]."""
+  ids = starts[..., None] + np.arange(span)
+  ok = (starts[..., None] >= 0) & (ids < stored[:, :, None, None, None])
+  return np.where(ok, ids, -1).reshape(*starts.shape[:-1], -1)
 
 
 def layer_rows(layers) -> slice | np.ndarray:
@@ -121,6 +131,8 @@ class PrefetchRuntime(HostRuntime):
     pending (the background indexing fell behind) they are indexed synchronously first.
   successors: the tokens following each of the best `successor_sources` retrieved ids that the
     selection adds (see `successor_ids`).
+  pinned, pinned_span: spans kept in every selection (see `pin`): `pinned` start ids per query
+    head, each with the `pinned_span - 1` tokens after it.
   background_threads: the indexing's threads (default: every worker core; see `gather_threads`).
   reserved_cores: cores that lag 2's exchange and the indexing (threads and OpenMP teams) stay
     off, for the thread launching the device's kernels (default `default_reserved_cores`). With
@@ -134,7 +146,7 @@ class PrefetchRuntime(HostRuntime):
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
-               background_threads: int | None = None, reserved_cores: int | None = None,
+               pinned: int = 0, pinned_span: int = 1, background_threads: int | None = None, reserved_cores: int | None = None,
                index_after_gather: bool = False, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
@@ -150,9 +162,16 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"successors={successors} must be >= 0")
     if successor_sources < 1:
       raise ValueError(f"successor_sources={successor_sources} must be >= 1")
+    if not 0 <= pinned <= self.topk:
+      raise ValueError(f"pinned={pinned} must lie in [0, topk={self.topk}]")
+    if pinned_span < 1:
+      raise ValueError(f"pinned_span={pinned_span} must be >= 1")
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
+    self.pinned, self.pinned_span = int(pinned), int(pinned_span)
+    # [L, B, Hq, pinned] int64: the start ids `pin` chose (-1 = none); None until pinned.
+    self.pinned_ids = None
     self.index_after_gather = bool(index_after_gather)
     self.search_threads = workers  # the search runs after the previous indexing, before the next
     self.buffers = StepBuffers()
@@ -204,7 +223,27 @@ class PrefetchRuntime(HostRuntime):
 
   @property
   def slots(self) -> int:
-    return selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources)
+    return selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources, self.pinned,
+                           self.pinned_span)
+
+  def pin(self, layers, queries) -> None:
+    """Searches every head of `layers` with `queries` [L, B, Hq, D] float32 (the prompt's last
+    token's: the question the decode answers) and keeps each head's best `pinned` ids, with the
+    tokens after them, in every later selection (`prefetch_step`).
+
+    Why: a lagged or reused selection was searched with an older query, so when the answer moves
+    to another needle (niah_multiquery) or starts at a far one, the needed keys are not among
+    its rows until a search made after the turn reaches the device. The prompt's last query
+    already attends the needles the question asks for; keeping its best spans resident costs
+    device rows (copied once: a kept id keeps its slot) and no search."""
+    if not self.pinned:
+      return
+    rows = layer_rows(layers)
+    L, B, Hq, _ = queries.shape
+    found, _ = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef,
+                                          threads=self.search_threads)  # [T, B, Hq, k], best first
+    self.pinned_ids = np.full((L, B, Hq, self.pinned), -1, np.int64)
+    self.pinned_ids[rows] = found[..., :self.pinned]
 
   def prefetch_step(
       self,
@@ -261,12 +300,16 @@ class PrefetchRuntime(HostRuntime):
     # repeated id one slot.
     wanted = self.slot_ids.copy()
     retrieved_end = self.topk + self.tail_slots
+    successors_end = retrieved_end + self.successor_sources * self.successors
     wanted[rows, :, :, :self.topk] = found
     wanted[rows, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[rows], stored)
     if self.successors:
       age = self._exchanges - self._searched_at[rows]  # 0 for the heads that searched now
       sources = found[..., :self.successor_sources]
-      wanted[rows, :, :, retrieved_end:] = successor_ids(sources, stored, self.successors, age)
+      wanted[rows, :, :, retrieved_end:successors_end] = successor_ids(sources, stored, self.successors, age)
+    if self.pinned:
+      wanted[rows, :, :, successors_end:] = (-1 if self.pinned_ids is None else
+                                             span_ids(self.pinned_ids[rows], stored, self.pinned_span))
     self.stats.unindexed_attended += int((stored - indexed).sum())
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if scored:  # what the step that just ended used, against that step's own query's result

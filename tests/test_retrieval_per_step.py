@@ -15,7 +15,7 @@ import kvjax
 from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows
-from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, successor_ids
+from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
@@ -26,7 +26,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
 @pytest.mark.parametrize("index, extra", [("flat", {}), ("roar", {}), ("roar", {"roar_heads": "kv"}),
                                           ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2}),
                                           ("flat", {"lag": 2, "successors": 2}), ("flat", {"lag": 0}),
-                                          ("roar", {"lag": 0, "speculative": True, "tau": 0.8})])
+                                          ("roar", {"lag": 0, "speculative": True, "tau": 0.8}),
+                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -210,6 +211,53 @@ def test_successors_extend_the_selection_by_the_following_tokens(sources):
       assert sorted(ids[ids >= 0].tolist()) == sorted(expect)  # each once: a repeated id takes one slot
   finally:
     runtime.close()
+
+
+def test_span_ids_start_at_each_id_within_the_store():
+  starts = np.array([[[[3, -1, 7]]]])  # [T, B, Hq, p]; store of 9 tokens
+  np.testing.assert_array_equal(span_ids(starts, np.array([[9]]), 3), [[[[3, 4, 5, -1, -1, -1, 7, 8, -1]]]])
+
+
+def test_pinned_spans_of_the_pinning_query_stay_in_every_selection():
+  """pin() keeps each head's best `pinned` ids for its query, with the tokens after them; later
+  exchanges select their own top-k, the tail and those spans, each id once."""
+  rng = np.random.default_rng(4)
+  L, Hkv, n, D, topk = 1, 1, 40, 8, 4
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=topk, pinned=2, pinned_span=3)
+  question = rng.standard_normal((L, 1, 2, D), dtype=np.float32)
+  zeros = (*np.zeros((2, L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2, D), np.float32), np.array([[-1]]))
+  try:
+    assert runtime.slots == topk + runtime.tail_slots + 2 * 3
+    runtime.pin([0], question)
+    for step in range(3):
+      queries = rng.standard_normal((L, 1, 2, D), dtype=np.float32)
+      runtime.prefetch_step([0], queries, *zeros)
+      for h in range(2):
+        pinned = np.argsort(-(keys[0, 0] @ question[0, 0, h]))[:2]
+        top = np.argsort(-(keys[0, 0] @ queries[0, 0, h]))[:topk]
+        expect = {int(i) for i in top} | {int(i) + j for i in pinned for j in range(3) if i + j < n}
+        ids = runtime.slot_ids[0, 0, h]
+        assert sorted(ids[ids >= 0].tolist()) == sorted(expect)
+  finally:
+    runtime.close()
+
+
+def test_a_loaded_context_pins_what_the_prefill_pinned(tmp_path):
+  model = tiny_model("llama")
+  prompt = random_prompt(50, seed=7)
+  options = dict(index="roar", topk=6, lag=2, pinned=3, pinned_span=4, **PER_STEP)
+  ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
+                      prefill_chunk=16)
+  pinned = ctx.policy.runtime(ctx.state).pinned_ids.copy()
+  assert (pinned[:, :, :, 0] >= 0).all()  # every head of every host layer pinned its best id
+  kvjax.save_context(ctx, tmp_path / "c")
+  direct = kvjax.decode(model, ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
+  loaded_ctx = kvjax.load_context(tmp_path / "c", model)
+  np.testing.assert_array_equal(loaded_ctx.policy.runtime(loaded_ctx.state).pinned_ids, pinned)
+  loaded = kvjax.decode(model, loaded_ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
+  assert loaded.tokens == direct.tokens
+  np.testing.assert_allclose(loaded.logits, direct.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_the_indexing_is_queued_beside_or_after_the_gather():
@@ -417,6 +465,10 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
     (dict(successors=2), "successors=2 applies"),
     (dict(bridge="per_step", successor_sources=0), "successor_sources=0"),
     (dict(bridge="per_step", index_threads=0), "index_threads=0"),
+    (dict(bridge="per_step", pinned=-1), "pinned=-1"),
+    (dict(bridge="per_step", topk=4, pinned=5), "pinned=5 must not exceed topk=4"),
+    (dict(bridge="per_step", pinned=2, pinned_span=0), "pinned_span=0"),
+    (dict(pinned=2), "pinned=2 applies"),
     (dict(index_threads=4), "index_threads=4"),
 ])
 def test_bad_options(options, message):

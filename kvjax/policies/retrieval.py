@@ -213,6 +213,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   successor_sources: per_step only: how many of each head's best retrieved ids get successors
     (a head reading a span token by token ranks the position it reads first; successors of
     all 100 cost 3.2 ms a step at 128K, SmolLM2 shapes: experiments/results/*_successors*).
+  pinned: per_step only: each query head's best `pinned` ids for the prompt's last query (the
+    question), each with the `pinned_span - 1` tokens after it, stay in every selection of the
+    decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
+    reused selection then still holds the needles the question asked for when the answer turns
+    to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). 0 (the default) turns it off;
+    it costs pinned * pinned_span device rows per query head, copied once, and no search.
+    Not yet measured on RULER on the GPU.
+  pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -246,16 +254,19 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: int = 1
   successors: int | None = None
   successor_sources: int = 8
+  pinned: int = 0
+  pinned_span: int = 16
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
   name: str = "retrieval"
-  # per_step's row buffers are sized by topk, the successors and the tail slots: a load with other values
-  # selects the first step's rows again into buffers of the new size (attach_host).
+  # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
+  # with other values selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "tail_slots", "background_nice", "index_threads", "reserved_cores")
+                    "successor_sources", "pinned", "pinned_span", "tail_slots", "background_nice", "index_threads",
+                    "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -287,6 +298,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
     if self.successor_sources < 1:
       raise ValueError(f"successor_sources={self.successor_sources} must be >= 1")
+    for field, low in (("pinned", 0), ("pinned_span", 1)):
+      value = getattr(self, field)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{field}={value!r} must be an int >= {low}")
+    if self.pinned > self.topk:
+      raise ValueError(f"pinned={self.pinned} must not exceed topk={self.topk}: the pinned ids are a search's best")
+    if self.pinned and self.bridge != "per_step":
+      raise ValueError(f"pinned={self.pinned} applies to bridge='per_step'")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.roar_heads not in ("query", "kv"):
@@ -309,6 +328,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                2: ", host works while the device computes (selection of two steps back)"}[self.lag]
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
+      spec += (f", +{self.pinned} spans of {self.pinned_span} tokens from the prompt's last query's best ids, kept"
+               if self.pinned else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
@@ -323,7 +344,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   @property
   def slots_per_head(self) -> int:
     """per_step: device buffer rows per (layer, seq, query head)."""
-    return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources)
+    return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources,
+                                            self.pinned, self.pinned_span)
 
   # -- state -----------------------------------------------------------------------------
 
@@ -364,6 +386,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
+                                              pinned=self.pinned, pinned_span=self.pinned_span,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
                                               reserved_cores=self.reserved_cores,
@@ -376,6 +399,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state
     if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
+      self._pin(cfg, state, self._last_prompt_queries(cfg, state))  # as finish_prefill did, from the saved state
       return self._warm_scatter(state)
     # topk, the successors or the tail slots changed at load. A context is saved right after its prefill, so
     # the first step's rows are selected again as finish_prefill did, into new buffers.
@@ -645,14 +669,23 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           train_q=state.train_q[:, :, :, :0], staged=False)
     return self._first_rows(cfg, state) if self.bridge == "per_step" else state
 
+  def _last_prompt_queries(self, cfg, state: RetrievalState):
+    """[L, B, Hq, D]: each layer's query of the last prompt token, from the ring (a context is
+    saved right after its prefill, so a loaded ring still holds it)."""
+    lengths = np.asarray(state.prompt_lengths)
+    last = jnp.asarray(np.maximum(lengths - 1 - self.sinks, 0) % self.ring_len, jnp.int32)  # its query slot
+    return jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)
+
+  def _pin(self, cfg, state: RetrievalState, last_q) -> None:
+    if self.pinned:
+      self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(jax.device_get(last_q), np.float32))
+
   def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
     """per_step, after a prefill: the first decode step's rows, selected by the last prompt
-    token's query (no token has left the window yet)."""
-    lengths = np.asarray(state.prompt_lengths)
-    L, B = cfg.num_layers, len(lengths)
-    last = jnp.asarray(np.maximum(lengths - 1 - self.sinks, 0) % self.ring_len, jnp.int32)  # its query slot
-    last_q = jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)  # [L, B, Hq, D]
-    none = jnp.full((L, B), -1, jnp.int32)
+    token's query (no token has left the window yet), and the pinned spans it chooses."""
+    last_q = self._last_prompt_queries(cfg, state)  # [L, B, Hq, D]
+    self._pin(cfg, state, last_q)
+    none = jnp.full((cfg.num_layers, len(state.prompt_lengths)), -1, jnp.int32)
     state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
                                                      state.step_evicted_q, none)))
     return self._warm_scatter(state)
