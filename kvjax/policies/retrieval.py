@@ -218,8 +218,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
     reused selection then still holds the needles the question asked for when the answer turns
     to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). 0 (the default) turns it off;
-    it costs pinned * pinned_span device rows per query head, copied once, and no search.
-    Not yet measured on RULER on the GPU.
+    it costs pinned * pinned_span device rows per query head, copied once, and no search. On
+    one CPU sample (niah_multiquery seed 15 at 32K, Qwen2.5, lag 2 speculative) pinned=8 decoded
+    full's text where the plain fast configuration lost an item
+    (experiments/results/ruler_qwen_32k_multiquery_pinned_s15_cpu.md); not yet run on the GPU.
   pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
