@@ -146,7 +146,8 @@ class PrefetchRuntime(HostRuntime):
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
-               pinned: int = 0, pinned_span: int = 1, background_threads: int | None = None, reserved_cores: int | None = None,
+               pinned: int = 0, pinned_span: int = 1, background_threads: int | None = None,
+               reserved_cores: int | None = None,
                index_after_gather: bool = False, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
@@ -235,7 +236,7 @@ class PrefetchRuntime(HostRuntime):
     to another needle (niah_multiquery) or starts at a far one, the needed keys are not among
     its rows until a search made after the turn reaches the device. The prompt's last query
     already attends the needles the question asks for; keeping its best spans resident costs
-    device rows (copied once: a kept id keeps its slot) and no search."""
+    device rows (copied once: a kept id keeps its slot) and this one search."""
     if not self.pinned:
       return
     rows = layer_rows(layers)

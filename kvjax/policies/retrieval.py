@@ -218,9 +218,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
     reused selection then still holds the needles the question asked for when the answer turns
     to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). 0 (the default) turns it off;
-    it costs pinned * pinned_span device rows per query head, copied once, and no search. On
-    one CPU sample (niah_multiquery seed 15 at 32K, Qwen2.5, lag 2 speculative) pinned=8 decoded
-    full's text where the plain fast configuration lost an item
+    it costs pinned * pinned_span device rows per query head, copied once, and one search after
+    the prefill. On one CPU sample (niah_multiquery seed 15 at 32K, Qwen2.5, lag 2 speculative)
+    pinned=8 decoded full's text where the plain fast configuration lost an item
     (experiments/results/ruler_qwen_32k_multiquery_pinned_s15_cpu.md); not yet run on the GPU.
   pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
@@ -401,10 +401,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state
     if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
-      self._pin(cfg, state, self._last_prompt_queries(cfg, state))  # as finish_prefill did, from the saved state
+      self._pin(cfg, state, self._last_prompt_queries(cfg, state))  # as finish_prefill did
       return self._warm_scatter(state)
-    # topk, the successors or the tail slots changed at load. A context is saved right after its prefill, so
-    # the first step's rows are selected again as finish_prefill did, into new buffers.
+    # topk, the successors, the tail slots or the pinned spans changed at load. A context is saved right
+    # after its prefill, so the first step's rows are selected again as finish_prefill did, into new buffers.
     n, B, Hq, _, D = state.buf_k.shape
     rows = (n, B, Hq, self.slots_per_head)
     state = state.replace(buf_k=jnp.zeros(rows + (D,), state.buf_k.dtype, device=state.buf_k.sharding),
