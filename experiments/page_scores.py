@@ -116,13 +116,13 @@ def score_case(tally: dict, qg, pages, mass, needle_pages, scale: float, share: 
   (indices into the N pages; out of range = not a candidate yet)."""
   n = len(pages)
   hot = [p for p in needle_pages if 0 <= p < n and mass[:, p].max() > share]  # retrieval-head cases
+  budgets = sorted({b for _, b in tally})
   for v, s in variant_scores(qg, pages, scale).items():
     pooled = softmax(s).mean(0)
     order = np.argsort(-pooled)
     ranks = [int((pooled > pooled[p]).sum()) for p in hot]
-    for (variant, budget), t in tally.items():
-      if variant != v:
-        continue
+    for budget in budgets:
+      t = tally[v, budget]
       t["recovery"].append(mass[:, order[:budget]].sum() / max(mass.sum(), 1e-30))
       t["cases"] += len(hot)
       t["missed"] += sum(r >= budget for r in ranks)

@@ -247,38 +247,15 @@ def parse_hub_variant(v: str) -> dict:
   return {"tail": int(m.group(2) or 0), "strat": int(m.group(3) or 0), "n_hubs": int(m.group(4) or 32)}
 
 
-def _most_frequent(rows_topk: np.ndarray, n: int, want: int, exclude=(), lo=0, hi=None) -> list[int]:
-  """The `want` keys in [lo, hi) most frequent in rows_topk (count > 0, not in exclude), ties by smaller id."""
-  cnt = np.bincount(rows_topk[rows_topk >= 0].ravel(), minlength=n)[:n].astype(np.int64)
-  hi = n if hi is None else hi
-  cnt[:lo] = 0
-  cnt[hi:] = 0
-  if len(exclude):
-    cnt[np.asarray(list(exclude), np.int64)] = 0
-  order = np.lexsort((np.arange(n), -cnt))
-  return [int(v) for v in order[:want] if cnt[v] > 0]
-
-
 def study_hubs(train_topk: np.ndarray, n: int, variant: str) -> np.ndarray:
-  """Hub seeds of a hub variant (NumPy) from the training rows' top lists [m, N_q] (prompt order).
+  """Hub seeds of a hub variant from the training rows' top lists [m, N_q] (prompt order), by
+  host_index.synthetic.hub_seeds (the C build's rule is tail64strat8).
 
   q4: the n_hubs keys most frequent in the last quarter of the rows. tail<T>: n_hubs/2 most frequent in the
   last T rows, the rest q4. strat<S>: the key range (prompt order) cut into S equal strata, the n_hubs/S most
   frequent (last quarter) of each. Both: tail half, strat the rest. Short strata/tails are filled from q4."""
   p = parse_hub_variant(variant)
-  m, nh = len(train_topk), p["n_hubs"]
-  quarter = train_topk[m - max(m // 4, 1):]
-  hubs: list[int] = []
-  if p["tail"]:
-    hubs += _most_frequent(train_topk[max(0, m - p["tail"]):], n, nh // 2)
-  if p["strat"]:
-    left = nh - len(hubs)
-    s = p["strat"]
-    for j in range(s):
-      per = left // s + (1 if j < left % s else 0)
-      hubs += _most_frequent(quarter, n, per, exclude=hubs, lo=j * n // s, hi=(j + 1) * n // s)
-  hubs += _most_frequent(quarter, n, nh - len(hubs), exclude=hubs)
-  return np.asarray(hubs, np.int32)
+  return synthetic.hub_seeds(train_topk, n, p["n_hubs"], tail_rows=p["tail"], strata=p["strat"])
 
 
 def set_hubs(index, hubs: np.ndarray) -> None:
@@ -395,8 +372,6 @@ def needle_tokens(tokenizer, n: int, depth: float, seed: int) -> tuple[list[int]
 def prompt_tokens(tokenizer, n: int, text: str, seed: int) -> list[int]:
   """Exactly n token ids of the chosen text (BOS first when the model uses one)."""
   chars = 6 * n + 1000
-  if text.startswith("needle"):
-    return needle_tokens(tokenizer, n, float(text[len("needle"):]), seed)[0]
   if text == "docs":
     body = docs_text(chars)
   else:
@@ -489,15 +464,20 @@ def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, se
   from kvjax.generate import check_context
 
   check_context(model.cfg, n, decode_steps)  # no silent run past the trained context
-  tokens = prompt_tokens(model.tokenizer, n, text, seed) if model.tokenizer is not None else (
-      np.random.default_rng(seed).integers(0, model.cfg.vocab_size, n).tolist())
+  needle_span = None
+  if model.tokenizer is None:
+    tokens = np.random.default_rng(seed).integers(0, model.cfg.vocab_size, n).tolist()
+  elif text.startswith("needle"):  # "needle<depth>"
+    tokens, needle_span = needle_tokens(model.tokenizer, n, float(text[len("needle"):]), seed)
+  else:
+    tokens = prompt_tokens(model.tokenizer, n, text, seed)
   q, k, gen, secs = capture_vectors(model, tokens, decode_steps=decode_steps)
   meta = {"model": model.cfg.name, "source": model.source, "n": n, "decode_steps": decode_steps, "text": text,
           "capture_s": {key: round(v, 2) for key, v in secs.items()},
           "generated": model.tokenizer.decode(gen.tolist()) if model.tokenizer is not None else gen.tolist(),
           "layer_windows": list(model.cfg.layer_windows), "attn_scale": model.cfg.attn_scale}
-  if text.startswith("needle") and model.tokenizer is not None:
-    meta["needle_span"] = list(needle_tokens(model.tokenizer, n, float(text[len("needle"):]), seed)[1])
+  if needle_span is not None:
+    meta["needle_span"] = list(needle_span)
   os.makedirs(cache_dir, exist_ok=True)
   tmp = path + f".tmp{os.getpid()}.npz"
   np.savez(tmp, q=q, k=k, tokens=np.asarray(list(tokens) + gen.tolist(), np.int32), meta=json.dumps(meta))

@@ -43,3 +43,30 @@ def recall(ids: np.ndarray, truth: np.ndarray) -> float:
     k = truth.shape[1]
     return float(np.mean([len(set(a[a >= 0].tolist()) & set(b.tolist())) / k
                           for a, b in zip(ids, truth)]))
+
+
+def hub_seeds(train_topk: np.ndarray, n: int, n_hubs: int, *, tail_rows: int = 64, strata: int = 8) -> np.ndarray:
+    """[<= n_hubs] int32: roar's hub seeds in NumPy, the reference for hi_graph.c `pick_hubs`
+    (the defaults are its rule) and for the hub-seed study (experiments/recall.py `study_hubs`).
+
+    train_topk [m, N_q]: the training rows' exact top lists over n keys, rows and keys in prompt
+    order. n_hubs // 2 keys most frequent in the last `tail_rows` rows' lists (0: none), the
+    rest shared over `strata` equal key-id strata (the first strata take the remainder; 0: no
+    strata), each stratum's most frequent in the last quarter's lists, then any shortfall from
+    the last quarter overall. Counts > 0 only, ties by smaller id, no key twice."""
+    m = len(train_topk)
+
+    def most_frequent(rows, want, taken, lo=0, hi=n):
+        cnt = np.bincount(rows[rows >= 0].ravel(), minlength=n)[:n].astype(np.int64)
+        cnt[:lo] = 0
+        cnt[hi:] = 0
+        cnt[list(taken)] = 0
+        return [int(v) for v in np.lexsort((np.arange(n), -cnt))[:want] if cnt[v] > 0]
+
+    hubs = most_frequent(train_topk[max(0, m - tail_rows):], n_hubs // 2, []) if tail_rows else []
+    quarter = train_topk[m - max(m // 4, 1):]
+    left = n_hubs - len(hubs)
+    for j in range(strata):
+        hubs += most_frequent(quarter, left // strata + (j < left % strata), hubs, j * n // strata,
+                              (j + 1) * n // strata)
+    return np.asarray(hubs + most_frequent(quarter, n_hubs - len(hubs), hubs), np.int32)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import host_index as hi
-from host_index.synthetic import exact_topk, keys_queries, recall
+from host_index.synthetic import exact_topk, hub_seeds, keys_queries, recall
 
 N, D, Q, K = 3000, 32, 64, 10
 
@@ -318,28 +318,6 @@ def test_ef_below_k_returns_best_k_scanned(data, kind):
     assert recall(ids_k, truth) >= recall(ids, truth) - 0.02
 
 
-def reference_hubs(topk, n, n_hubs, tail_rows=64, strata=8):
-    """NumPy statement of the C pick_hubs: n_hubs / 2 keys most frequent in the last `tail_rows` training
-    rows' top lists, then n_hubs / 2 shared over `strata` equal key-id strata (prompt order), each stratum's
-    most frequent in the last quarter's top lists, then any shortfall from the last quarter overall. Counts
-    > 0 only, ties by smaller id, no key twice."""
-    m = len(topk)
-
-    def best(rows, want, taken, lo=0, hi=None):
-        cnt = np.bincount(rows[rows >= 0].ravel(), minlength=n).astype(np.int64)
-        cnt[:lo] = 0
-        cnt[n if hi is None else hi:] = 0
-        cnt[list(taken)] = 0
-        return [int(v) for v in np.lexsort((np.arange(n), -cnt))[:want] if cnt[v] > 0]
-
-    hubs = best(topk[max(0, m - tail_rows):], n_hubs // 2, [])
-    quarter = topk[m - max(m // 4, 1):]
-    left = n_hubs - len(hubs)
-    for j in range(strata):
-        hubs += best(quarter, left // strata + (j < left % strata), hubs, j * n // strata, (j + 1) * n // strata)
-    return np.asarray(hubs + best(quarter, n_hubs - len(hubs), hubs), np.int32)
-
-
 @pytest.mark.parametrize("m, n_hubs", [(40, 32), (300, 32), (1000, 5), (1000, 100)])
 def test_roar_hubs_cover_the_last_queries_and_every_stratum(m, n_hubs):
     rng = np.random.default_rng(m + n_hubs)
@@ -349,7 +327,7 @@ def test_roar_hubs_cover_the_last_queries_and_every_stratum(m, n_hubs):
     topk = exact_topk(tq, keys, 12)
     ix = hi.build_index(keys, kind="roar", train_topk=topk, threads=2, n_hubs=n_hubs)
     hubs = np.frombuffer(ix._c.export()["hubs"], np.int32)
-    np.testing.assert_array_equal(hubs, reference_hubs(topk, n, n_hubs))
+    np.testing.assert_array_equal(hubs, hub_seeds(topk, n, n_hubs))
     assert len(set(hubs.tolist())) == len(hubs) == n_hubs
     # Half the hubs come from the last 64 queries' top lists (the prompt's end, which decoding continues).
     assert set(hubs[:n_hubs // 2].tolist()) <= set(topk[-64:].ravel().tolist())
@@ -363,7 +341,7 @@ def test_roar_hubs_are_the_recent_top_keys_and_counted(data):
     topk = exact_topk(tq, keys[:n], 20)
     ix = hi.build_index(keys[:n], kind="roar", train_topk=topk, threads=1, n_hubs=8)
     hubs = np.frombuffer(ix._c.export()["hubs"], np.int32)
-    np.testing.assert_array_equal(hubs, reference_hubs(topk, n, 8))
+    np.testing.assert_array_equal(hubs, hub_seeds(topk, n, 8))
     # A search scores the entry and every hub before anything else: k = ef = 1 still scans them.
     _, _, scanned = ix.search(q, 1, ef=1)
     assert (scanned >= 1 + len(set(hubs.tolist()))).all()
