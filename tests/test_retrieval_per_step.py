@@ -6,6 +6,8 @@ rows gathered, evicted tokens kept); the device half (`attend_rows`) against den
 attention; the whole against `full` when the budget covers the context.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,7 +105,7 @@ def test_lag_zero_searches_the_lowest_host_layer_with_its_own_query():
   prompts = [random_prompt(53), random_prompt(21, seed=5)]
   options = dict(SMALL, index="flat", topk=5, dense_layers=(1,))
   per_layer = run(model, prompts, **options)
-  lag0 = run(model, prompts, bridge="per_step", lag=0, successors=0, **options)
+  lag0 = run(model, prompts, bridge="per_step", lag=0, successors=0, pinned=0, **options)
   lag1 = run(model, prompts, bridge="per_step", lag=1, successors=0, **options)
   np.testing.assert_allclose(lag0.logits, per_layer.logits, rtol=1e-4, atol=1e-4)
   assert lag0.tokens == per_layer.tokens
@@ -451,6 +453,20 @@ def test_warm_scatter_leaves_the_buffers_as_they_were(monkeypatch):
   assert row_update.ladder(200) == [64, 128, 192, 256] and row_update.ladder(64) == [64]
 
 
+def test_pinned_default_follows_the_bridge_and_topk():
+  """per_step pins 16 ids a head by default, at most topk (so a load with another topk pins that
+  topk's default); per_layer pins none; an explicit value is kept."""
+  assert RetrievalAttention(bridge="per_step").pinned_per_head == 16
+  assert RetrievalAttention(bridge="per_step", topk=6).pinned_per_head == 6
+  assert RetrievalAttention(bridge="per_step", pinned=0).pinned_per_head == 0
+  assert RetrievalAttention(bridge="per_step", pinned=3).pinned_per_head == 3
+  assert RetrievalAttention().pinned_per_head == 0
+  policy = RetrievalAttention(bridge="per_step", topk=6)
+  assert dataclasses.replace(policy, topk=9).pinned_per_head == 9
+  assert "+6 spans of 16 tokens" in policy.describe()
+  assert policy.slots_per_head == 6 + 6 * 2 + 8 + 6 * 16  # top-k, successors, tail slots, pinned spans
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(bridge="async"), "bridge="),
     (dict(bridge="per_step", tau=1.5), "tau=1.5"),
@@ -522,9 +538,9 @@ def test_successors_default_to_twice_the_lag_on_the_per_step_bridge_only():
   assert RetrievalAttention(bridge="per_step").successors == 2
   assert RetrievalAttention(bridge="per_step", lag=2, successors=0).successors == 0
   assert RetrievalAttention().successors == 0  # per_layer searches with the step's own query
-  policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4)  # successors of the best 8
+  policy = RetrievalAttention(bridge="per_step", lag=2, topk=10, tail_slots=4, pinned=0)  # successors of the best 8
   assert policy.slots_per_head == 10 + 8 * 4 + 4 and "+4 following tokens of the best 8" in policy.describe()
-  assert RetrievalAttention(bridge="per_step", lag=2, topk=5, tail_slots=4).slots_per_head == 5 * 5 + 4
+  assert RetrievalAttention(bridge="per_step", lag=2, topk=5, tail_slots=4, pinned=0).slots_per_head == 5 * 5 + 4
 
 
 LAYER_OPS = 56  # a ceiling: 53 now, 68.5 with the per-layer ring copies; full's layer: 31

@@ -159,6 +159,9 @@ def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or Non
   return np.asarray(ops.block_nearest_keys(keys, CONNECT_CANDIDATES, block=NEIGHBOUR_BLOCK, probes=NEIGHBOUR_PROBES))
 
 
+DEFAULT_PINNED = 16  # per_step's pinned ids per query head (RetrievalAttention.pinned)
+
+
 @dataclasses.dataclass(frozen=True)
 class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   """Options:
@@ -217,11 +220,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     question), each with the `pinned_span - 1` tokens after it, stay in every selection of the
     decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
     reused selection then still holds the needles the question asked for when the answer turns
-    to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). 0 (the default) turns it off;
-    it costs pinned * pinned_span device rows per query head, copied once, and one search after
-    the prefill. On one CPU sample (niah_multiquery seed 15 at 32K, Qwen2.5, lag 2 speculative)
-    pinned=8 decoded full's text where the plain fast configuration lost an item
-    (experiments/results/ruler_qwen_32k_multiquery_pinned_s15_cpu.md); not yet run on the GPU.
+    to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). Default: 16 (at most topk) with
+    per_step, 0 (off) otherwise; it costs pinned * pinned_span device rows per query head, copied
+    once, and one search after the prefill. On niah_multiquery at 32K (Qwen2.5, lag 2
+    speculative, 25 paired samples) pinned 0 / 8 / 16 / 32 scored 0.42 / 0.59 / 0.63 / 0.63
+    against full's 0.72, at 8.4 / 8.9 / 9.5 / 10.3 ms a token
+    (experiments/results/ruler_qwen_32k_multiquery_pinned*.md).
   pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
@@ -256,7 +260,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   lag: int = 1
   successors: int | None = None
   successor_sources: int = 8
-  pinned: int = 0
+  pinned: int | None = None
   pinned_span: int = 16
   transfer: str = "page_locked"
   roar_heads: str = "query"
@@ -302,9 +306,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"successor_sources={self.successor_sources} must be >= 1")
     for field, low in (("pinned", 0), ("pinned_span", 1)):
       value = getattr(self, field)
+      if field == "pinned" and value is None:
+        continue
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
         raise ValueError(f"{field}={value!r} must be an int >= {low}")
-    if self.pinned > self.topk:
+    if self.pinned is not None and self.pinned > self.topk:
       raise ValueError(f"pinned={self.pinned} must not exceed topk={self.topk}: the pinned ids are a search's best")
     if self.pinned and self.bridge != "per_step":
       raise ValueError(f"pinned={self.pinned} applies to bridge='per_step'")
@@ -321,6 +327,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
     object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
 
+  @property
+  def pinned_per_head(self) -> int:
+    """`pinned`, or its default: DEFAULT_PINNED (at most topk) with per_step, else 0. Resolved
+    here, not stored, so a context loaded with another topk gets that topk's default."""
+    if self.pinned is not None:
+      return self.pinned
+    return min(DEFAULT_PINNED, self.topk) if self.bridge == "per_step" else 0
+
   def describe(self) -> str:
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     spec = f", speculative tau={self.tau}" if self.speculative else ""
@@ -330,8 +344,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                2: ", host works while the device computes (selection of two steps back)"}[self.lag]
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
-      spec += (f", +{self.pinned} spans of {self.pinned_span} tokens from the prompt's last query's best ids, kept"
-               if self.pinned else "")
+      spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from the prompt's last query's best "
+               "ids, kept" if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
@@ -347,7 +361,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def slots_per_head(self) -> int:
     """per_step: device buffer rows per (layer, seq, query head)."""
     return prefetch_runtime.selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources,
-                                            self.pinned, self.pinned_span)
+                                            self.pinned_per_head, self.pinned_span)
 
   # -- state -----------------------------------------------------------------------------
 
@@ -388,7 +402,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
-                                              pinned=self.pinned, pinned_span=self.pinned_span,
+                                              pinned=self.pinned_per_head, pinned_span=self.pinned_span,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
                                               reserved_cores=self.reserved_cores,
@@ -679,7 +693,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)
 
   def _pin(self, cfg, state: RetrievalState, last_q) -> None:
-    if self.pinned:
+    if self.pinned_per_head:
       self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(jax.device_get(last_q), np.float32))
 
   def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
