@@ -86,13 +86,19 @@ def variant_scores(qg, pages, scale: float) -> dict:
   return out
 
 
-def answer_token(tokenizer, ids: list[int], answer: str) -> int:
-  """Index of the prompt token holding the answer's first character (its first occurrence)."""
+def answer_span(tokenizer, ids: list[int], answer: str) -> tuple[int, int]:
+  """[start, end): the prompt tokens holding the answer's characters (its first occurrence)."""
   ends = np.cumsum([len(tokenizer.decode([t])) for t in ids])
   at = "".join(tokenizer.decode([t]) for t in ids).find(answer)
   if at < 0:
     raise ValueError(f"answer {answer!r} is not in the prompt's tokens")
-  return int(np.searchsorted(ends, at, side="right"))
+  first, last = np.searchsorted(ends, [at, at + len(answer) - 1], side="right")
+  return int(first), int(last) + 1
+
+
+def answer_token(tokenizer, ids: list[int], answer: str) -> int:
+  """Index of the prompt token holding the answer's first character (its first occurrence)."""
+  return answer_span(tokenizer, ids, answer)[0]
 
 
 def check_against_freekv(qg, pages, scale: float, pooled) -> None:
