@@ -133,6 +133,11 @@ class KVStore:
         k, _, n = self.buffers(seq, layer)
         return self._as_float(k[:, :n])
 
+    def to_float32(self, rows: np.ndarray) -> np.ndarray:
+        """Rows in the storage dtype (as gather_rows returns them) as float32."""
+        self._require_floats("to_float32()")
+        return self._as_float(np.asarray(rows))
+
     def values(self, seq: int, layer: int) -> np.ndarray:
         """Copy of the stored values as float32 [Hkv, length, D]."""
         self._require_floats("values()")

@@ -30,6 +30,7 @@ POLICY_FLAGS = {
     "successor_sources": "successor_sources",
     "pinned": "pinned",
     "pinned_span": "pinned_span",
+    "pinned_window": "pinned_window",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -77,6 +78,8 @@ def define_flags() -> None:
                        "query kept in every step's selection, with the tokens after them (default 16, at most topk; 0: none).")
   flags.DEFINE_integer("pinned_span", None, "retrieval per_step bridge: tokens kept from each pinned id on "
                        "(default 16).")
+  flags.DEFINE_integer("pinned_window", None, "retrieval per_step bridge: the last prompt queries whose summed "
+                       "attention chooses the pinned ids (default 1: the last query's search).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

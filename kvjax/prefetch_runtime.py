@@ -101,6 +101,11 @@ def span_ids(starts, stored, span: int):
   return np.where(ok, ids, -1).reshape(*starts.shape[:-1], -1)
 
 
+def _logsumexp(x):  # [..., n] -> [...]
+  peak = x.max(-1)
+  return peak + np.log(np.exp(x - peak[..., None]).sum(-1))
+
+
 def layer_rows(layers) -> slice | np.ndarray:
   """`layers` (ints, ascending) as an index of an [L, ...] array's first axis: a slice where they
   are consecutive (reads are views and writes basic assignments, not fancy-index copies; the
@@ -227,24 +232,54 @@ class PrefetchRuntime(HostRuntime):
     return selection_slots(self.topk, self.tail_slots, self.successors, self.successor_sources, self.pinned,
                            self.pinned_span)
 
-  def pin(self, layers, queries) -> None:
-    """Searches every head of `layers` with `queries` [L, B, Hq, D] float32 (the prompt's last
-    token's: the question the decode answers) and keeps each head's best `pinned` ids, with the
-    tokens after them, in every later selection (`prefetch_step`).
+  def pin(self, layers, queries, device_lse=None, valid=None) -> None:
+    """Keeps each head's best `pinned` ids for the prompt's last queries, with the tokens after
+    them, in every later selection (`prefetch_step`).
+
+    queries: [L, B, Hq, W, D] float32, the last W prompt queries (W = 1: the last token's, the
+      question the decode answers), oldest first.
+    device_lse: [L, B, Hq, W] float32, each query's log-sum-exp over the device-resident keys
+      it attends (the sinks and the ring); needed when W > 1.
+    valid: [B, W] bool, the queries that exist (a prompt shorter than W + sinks has fewer).
+
+    W = 1 keeps the search's best ids. W > 1 ranks the union of the W queries' search results by
+    the attention the queries give them together (SnapKV's observation window): each query's
+    softmax over those ids and the device keys, summed over the queries; exact scores, found ids.
 
     Why: a lagged or reused selection was searched with an older query, so when the answer moves
     to another needle (niah_multiquery) or starts at a far one, the needed keys are not among
-    its rows until a search made after the turn reaches the device. The prompt's last query
-    already attends the needles the question asks for; keeping its best spans resident costs
-    device rows (copied once: a kept id keeps its slot) and this one search."""
+    its rows until a search made after the turn reaches the device. The prompt's question
+    already attends the needles it asks for; keeping their spans resident costs device rows
+    (copied once: a kept id keeps its slot) and these searches."""
     if not self.pinned:
       return
     rows = layer_rows(layers)
-    L, B, Hq, _ = queries.shape
-    found, _ = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef,
-                                          threads=self.search_threads)  # [T, B, Hq, k], best first
+    L, B, Hq, W, _ = queries.shape
+    valid = np.ones((B, W), bool) if valid is None else np.asarray(valid, bool)
+    found = [self.context.search_layers(layers, queries[rows, :, :, w], k=self.topk, ef=self.ef,
+                                        heads=np.broadcast_to(valid[None, :, w, None], (len(layers), B, Hq)).copy(),
+                                        threads=self.search_threads)[0] for w in range(W)]  # [T, B, Hq, k] each
     self.pinned_ids = np.full((L, B, Hq, self.pinned), -1, np.int64)
-    self.pinned_ids[rows] = found[..., :self.pinned]
+    if W == 1:
+      self.pinned_ids[rows] = found[0][..., :self.pinned]
+      return
+    if device_lse is None:
+      raise ValueError("pin: device_lse is needed with more than one query a head")
+    group = Hq // self.context.num_kv_heads
+    store = self.context.store
+    for t, layer in enumerate(np.arange(L)[rows]):
+      for b in range(B):
+        for h in range(Hq):
+          ids = np.unique(np.concatenate([f[t, b, h] for f in found]))
+          ids = ids[ids >= 0]
+          if not len(ids) or not valid[b].any():
+            continue
+          keys = store.to_float32(store.gather_rows(b, int(layer), h // group, ids)[0])  # [n, D]
+          scores = self.scale * (queries[layer, b, h][valid[b]] @ keys.T)  # [W', n]
+          lse = np.logaddexp(_logsumexp(scores), device_lse[layer, b, h][valid[b]])
+          votes = np.exp(scores - lse[:, None]).sum(0)
+          best = ids[np.argsort(-votes, kind="stable")[:self.pinned]]
+          self.pinned_ids[layer, b, h, :len(best)] = best
 
   def prefetch_step(
       self,

@@ -234,6 +234,17 @@ def test_reserve_keeps_appends_in_place():
     store.reserve(0, 0, -1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gathered_rows_as_float32_equal_the_stored_keys(dtype):
+    st = hi.KVStore(1, 1, H, D, dtype=dtype)
+    k, v = kv(9, seed=3)
+    st.append(0, 0, 0, k, v)
+    ids = np.array([4, 0, 8, 4])
+    rows = st.to_float32(st.gather_rows(0, 0, 1, ids)[0])
+    assert rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, st.keys(0, 0)[1, ids])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gather_rows_many_matches_numpy_across_stores(dtype):
     st = hi.KVStore(2, 3, H, D, dtype=dtype)

@@ -16,7 +16,7 @@ import host_index
 import kvjax
 from kvjax import host_runtime, row_update
 from kvjax.policies import RetrievalAttention
-from kvjax.policies.retrieval import attend_rows
+from kvjax.policies.retrieval import attend_rows, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
@@ -29,7 +29,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("graph", {}), ("flat", {"lag": 2}), ("roar", {"lag": 2}),
                                           ("flat", {"lag": 2, "successors": 2}), ("flat", {"lag": 0}),
                                           ("roar", {"lag": 0, "speculative": True, "tau": 0.8}),
-                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3})])
+                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3}),
+                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -231,7 +232,7 @@ def test_pinned_spans_of_the_pinning_query_stay_in_every_selection():
   zeros = (*np.zeros((2, L, 1, Hkv, D), np.float32), np.zeros((L, 1, 2, D), np.float32), np.array([[-1]]))
   try:
     assert runtime.slots == topk + runtime.tail_slots + 2 * 3
-    runtime.pin([0], question)
+    runtime.pin([0], question[:, :, :, None])  # W = 1: the search's best ids
     for step in range(3):
       queries = rng.standard_normal((L, 1, 2, D), dtype=np.float32)
       runtime.prefetch_step([0], queries, *zeros)
@@ -245,10 +246,67 @@ def test_pinned_spans_of_the_pinning_query_stay_in_every_selection():
     runtime.close()
 
 
-def test_a_loaded_context_pins_what_the_prefill_pinned(tmp_path):
+def test_a_window_of_queries_pins_the_ids_they_attend_most_together():
+  """W > 1: the union of the W searches (here every stored key) ranked by the W queries'
+  summed softmax, each over those keys and its device keys (log-sum-exp given); an absent
+  query is left out."""
+  rng = np.random.default_rng(6)
+  L, Hkv, n, D, W, pinned = 1, 1, 24, 8, 3, 3
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  queries = 2 * rng.standard_normal((L, 1, 2, W, D), dtype=np.float32)
+  device_lse = rng.standard_normal((L, 1, 2, W)).astype(np.float32)
+  for valid in (np.ones((1, W), bool), np.array([[False, True, True]])):
+    runtime = _runtime(keys, values, topk=n, pinned=pinned, pinned_span=2)
+    try:
+      runtime.pin([0], queries, device_lse, valid)
+      for h in range(2):
+        scores = D**-0.5 * queries[0, 0, h][valid[0]] @ keys[0, 0].T  # [W', n]
+        total = np.logaddexp(np.log(np.exp(scores).sum(-1)), device_lse[0, 0, h][valid[0]])
+        votes = np.exp(scores - total[:, None]).sum(0)
+        np.testing.assert_array_equal(runtime.pinned_ids[0, 0, h], np.argsort(-votes, kind="stable")[:pinned])
+    finally:
+      runtime.close()
+
+
+@pytest.mark.parametrize("lengths", [(12,), (5,), (12, 4)])
+def test_prompt_window_reads_the_last_queries_and_their_device_keys(lengths):
+  """prompt_window against NumPy: the ring (sinks, then slot (pos - sinks) % R) filled from a
+  known prompt; each window query's log-sum-exp over the held keys at or before it."""
+  rng = np.random.default_rng(len(lengths) + lengths[0])
+  L, Hq, Hkv, D, S, R, W = 2, 4, 2, 8, 2, 5, 3
+  B = len(lengths)
+  ring_q = np.zeros((L, B, Hq, R, D), np.float32)
+  ring_k = np.zeros((L, B, Hkv, S + R, D), np.float32)
+  Q = rng.standard_normal((B, L, Hq, max(lengths), D), dtype=np.float32)
+  K = rng.standard_normal((B, L, Hkv, max(lengths), D), dtype=np.float32)
+  for b, n in enumerate(lengths):
+    for p in range(n):  # later positions overwrite their ring slot, as the prefill writes
+      slot = p if p < S else S + (p - S) % R
+      ring_k[:, b, :, slot] = K[b, :, :, p]
+      if p >= S:
+        ring_q[:, b, :, (p - S) % R] = Q[b, :, :, p]
+  q, lse, valid = prompt_window(jnp.asarray(ring_q), jnp.asarray(ring_k), jnp.asarray(lengths, jnp.int32),
+                                sinks=S, size=W, scale=0.5)
+  for b, n in enumerate(lengths):
+    held = [p for p in range(n) if p < S or p >= max(S, n - R)]
+    for w in range(W):
+      pos = n - W + w
+      assert bool(valid[b, w]) == (pos >= S)
+      if pos < S:
+        continue
+      np.testing.assert_array_equal(q[:, b, :, w], Q[b, :, :, pos])
+      seen = [p for p in held if p <= pos]
+      for layer in range(L):
+        for h in range(Hq):
+          s = 0.5 * K[b, layer, h // 2, seen] @ Q[b, layer, h, pos]
+          np.testing.assert_allclose(lse[layer, b, h, w], np.log(np.exp(s).sum()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_a_loaded_context_pins_what_the_prefill_pinned(tmp_path, window):
   model = tiny_model("llama")
   prompt = random_prompt(50, seed=7)
-  options = dict(index="roar", topk=6, lag=2, pinned=3, pinned_span=4, **PER_STEP)
+  options = dict(index="roar", topk=6, lag=2, pinned=3, pinned_span=4, pinned_window=window, **PER_STEP)
   ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
                       prefill_chunk=16)
   pinned = ctx.policy.runtime(ctx.state).pinned_ids.copy()
@@ -485,6 +543,9 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(bridge="per_step", topk=4, pinned=5), "pinned=5 must not exceed topk=4"),
     (dict(bridge="per_step", pinned=2, pinned_span=0), "pinned_span=0"),
     (dict(pinned=2), "pinned=2 applies"),
+    (dict(bridge="per_step", pinned_window=0), "pinned_window=0"),
+    (dict(bridge="per_step", window=8, pinned_window=9), "pinned_window=9 applies"),
+    (dict(pinned_window=4), "pinned_window=4 applies"),
     (dict(index_threads=4), "index_threads=4"),
 ])
 def test_bad_options(options, message):

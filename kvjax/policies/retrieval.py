@@ -227,6 +227,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     against full's 0.72, at 8.4 / 8.9 / 9.5 / 10.3 ms a token
     (experiments/results/ruler_qwen_32k_multiquery_pinned*.md).
   pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
+  pinned_window: per_step only: the last prompt queries that choose the pinned ids (at most the
+    window). 1 (the default): the last token's, by its search. W > 1: the union of the W
+    queries' searches, ranked by the attention the W queries give each id together (each
+    query's softmax over those ids and the device keys, summed: SnapKV's observation window).
+    The question and answer prefix name every key asked: on niah_multiquery at 8K (exact
+    ranking, 16 pins) the last 64 queries' pins held all four asked values in 29% of the heads,
+    the last query's in 15% (experiments/results/pin_study_qwen_8k_multiquery.md); not yet run
+    end to end.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -262,6 +270,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   successor_sources: int = 8
   pinned: int | None = None
   pinned_span: int = 16
+  pinned_window: int = 1
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
@@ -271,7 +280,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # with other values selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "pinned", "pinned_span", "tail_slots", "background_nice", "index_threads",
+                    "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice", "index_threads",
                     "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
@@ -304,7 +313,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
     if self.successor_sources < 1:
       raise ValueError(f"successor_sources={self.successor_sources} must be >= 1")
-    for field, low in (("pinned", 0), ("pinned_span", 1)):
+    for field, low in (("pinned", 0), ("pinned_span", 1), ("pinned_window", 1)):
       value = getattr(self, field)
       if field == "pinned" and value is None:
         continue
@@ -314,6 +323,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"pinned={self.pinned} must not exceed topk={self.topk}: the pinned ids are a search's best")
     if self.pinned and self.bridge != "per_step":
       raise ValueError(f"pinned={self.pinned} applies to bridge='per_step'")
+    if self.pinned_window != 1 and (self.bridge != "per_step" or self.pinned_window > self.window):
+      raise ValueError(f"pinned_window={self.pinned_window} applies to bridge='per_step' and must not exceed "
+                       f"window={self.window} (the ring holds the prompt's last queries)")
     if self.transfer not in row_update.TRANSFERS:
       raise ValueError(f"transfer={self.transfer!r}; expected one of {row_update.TRANSFERS}")
     if self.roar_heads not in ("query", "kv"):
@@ -344,8 +356,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                2: ", host works while the device computes (selection of two steps back)"}[self.lag]
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
-      spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from the prompt's last query's best "
-               "ids, kept" if self.pinned_per_head else "")
+      chosen_by = (f"the prompt's last {self.pinned_window} queries'" if self.pinned_window > 1
+                   else "the prompt's last query's")
+      spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
+               if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
             f"host: top-{self.topk} per query head{dense}{spec})")
@@ -415,7 +429,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state
     if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
       self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
-      self._pin(cfg, state, self._last_prompt_queries(cfg, state))  # as finish_prefill did
+      self._pin(cfg, state)  # as finish_prefill did
       return self._warm_scatter(state)
     # topk, the successors, the tail slots or the pinned spans changed at load. A context is saved right
     # after its prefill, so the first step's rows are selected again as finish_prefill did, into new buffers.
@@ -692,19 +706,54 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     last = jnp.asarray(np.maximum(lengths - 1 - self.sinks, 0) % self.ring_len, jnp.int32)  # its query slot
     return jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)
 
-  def _pin(self, cfg, state: RetrievalState, last_q) -> None:
-    if self.pinned_per_head:
-      self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(jax.device_get(last_q), np.float32))
+  def _pin(self, cfg, state: RetrievalState) -> None:
+    if not self.pinned_per_head:
+      return
+    q, lse, valid = jax.device_get(prompt_window(state.ring_q, state.ring_k, state.prompt_lengths, sinks=self.sinks,
+                                                 size=self.pinned_window, scale=cfg.attn_scale))
+    self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(q, np.float32), np.asarray(lse), np.asarray(valid))
 
   def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
     """per_step, after a prefill: the first decode step's rows, selected by the last prompt
     token's query (no token has left the window yet), and the pinned spans it chooses."""
     last_q = self._last_prompt_queries(cfg, state)  # [L, B, Hq, D]
-    self._pin(cfg, state, last_q)
+    self._pin(cfg, state)
     none = jnp.full((cfg.num_layers, len(state.prompt_lengths)), -1, jnp.int32)
     state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
                                                      state.step_evicted_q, none)))
     return self._warm_scatter(state)
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "size", "scale"))
+def prompt_window(
+    ring_q,  # [L, B, Hq, R, D] queries of the ring's non-sink tokens (slot (pos - sinks) % R)
+    ring_k,  # [L, B, Hkv, sinks + R, D] the sinks, then the ring's keys
+    prompt_lengths,  # [B] int32
+    *,
+    sinks: int,
+    size: int,
+    scale: float,
+):
+  """After a prefill: the prompt's last `size` queries, oldest first -> (q [L, B, Hq, size, D]
+  f32, lse [L, B, Hq, size] f32: each one's log-sum-exp over the device keys it attends (the
+  sinks and the ring's keys at or before its position), valid [B, size]: the query exists (its
+  position lies past the sinks))."""
+  L, B, Hq, R, D = ring_q.shape
+  group = Hq // ring_k.shape[2]
+  n = prompt_lengths[:, None]  # [B, 1]
+  q_pos = n - size + jnp.arange(size)  # [B, size]
+  valid = q_pos >= sinks
+  q_slot = jnp.where(valid, (q_pos - sinks) % R, 0)
+  q = jnp.take_along_axis(ring_q, q_slot[None, :, None, :, None], axis=3).astype(jnp.float32)
+  back = n - 1 - sinks - jnp.arange(R)  # ring slot j holds the latest prompt position p < n, p = sinks + j (mod R)
+  k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(sinks), (B, sinks)), sinks + jnp.arange(R) + R * (back // R)],
+                          axis=1)  # [B, sinks + R]
+  k_held = jnp.concatenate([jnp.arange(sinks) < n, back >= 0], axis=1)
+  seen = k_held[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, size, sinks + R]
+  k = jnp.repeat(ring_k, group, axis=2).astype(jnp.float32)  # [L, B, Hq, sinks + R, D]
+  scores = scale * jnp.einsum("lbhwd,lbhkd->lbhwk", q, k, precision=jax.lax.Precision.HIGHEST)
+  lse = jax.nn.logsumexp(jnp.where(seen[None, :, None], scores, -jnp.inf), axis=-1)
+  return q, lse, valid
 
 
 def _host_arrays(step):
