@@ -75,7 +75,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("successor_sources", None, "retrieval per_step bridge: how many of each head's best "
                        "retrieved ids get successors (default 8).")
   flags.DEFINE_integer("pinned", None, "retrieval per_step bridge: each query head's best ids for the prompt's last "
-                       "query kept in every step's selection, with the tokens after them (default 16, at most topk; 0: none).")
+                       "query kept in every step's selection, with the tokens after them (default 16, at most topk; "
+                       "0: none).")
   flags.DEFINE_integer("pinned_span", None, "retrieval per_step bridge: tokens kept from each pinned id on "
                        "(default 16).")
   flags.DEFINE_integer("pinned_window", None, "retrieval per_step bridge: the last prompt queries whose summed "

@@ -280,8 +280,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # with other values selects the first step's rows again into buffers of the new size (attach_host).
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice", "index_threads",
-                    "reserved_cores")
+                    "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice",
+                    "index_threads", "reserved_cores")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
