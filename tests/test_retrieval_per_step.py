@@ -303,17 +303,25 @@ def test_prompt_window_reads_the_last_queries_and_their_device_keys(lengths):
 
 
 @pytest.mark.parametrize("window", [1, 4])
-def test_a_loaded_context_pins_what_the_prefill_pinned(tmp_path, window):
+def test_a_loaded_context_pins_what_the_prefill_pinned(tmp_path, monkeypatch, window):
   model = tiny_model("llama")
   prompt = random_prompt(50, seed=7)
   options = dict(index="roar", topk=6, lag=2, pinned=3, pinned_span=4, pinned_window=window, **PER_STEP)
+  calls = []
+  real_pin = PrefetchRuntime.pin
+  def recorded_pin(self, layers, queries, device_lse=None, valid=None):
+    calls.append((queries.shape[3], device_lse.shape[3], bool(np.all(np.isfinite(device_lse)))))
+    return real_pin(self, layers, queries, device_lse, valid)
+  monkeypatch.setattr(PrefetchRuntime, "pin", recorded_pin)
   ctx = kvjax.prefill(model, prompt, max_new_tokens=STEPS_SAVED, policy="retrieval", policy_options=options,
                       prefill_chunk=16)
+  assert calls == [(window, window, True)]  # the window's queries reach pin() with their device keys' lse
   pinned = ctx.policy.runtime(ctx.state).pinned_ids.copy()
   assert (pinned[:, :, :, 0] >= 0).all()  # every head of every host layer pinned its best id
   kvjax.save_context(ctx, tmp_path / "c")
   direct = kvjax.decode(model, ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
   loaded_ctx = kvjax.load_context(tmp_path / "c", model)
+  assert len(calls) == 2
   np.testing.assert_array_equal(loaded_ctx.policy.runtime(loaded_ctx.state).pinned_ids, pinned)
   loaded = kvjax.decode(model, loaded_ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
   assert loaded.tokens == direct.tokens
