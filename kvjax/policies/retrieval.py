@@ -233,8 +233,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     query's softmax over those ids and the device keys, summed: SnapKV's observation window).
     The question and answer prefix name every key asked: on niah_multiquery at 8K (exact
     ranking, 16 pins) the last 64 queries' pins held all four asked values in 29% of the heads,
-    the last query's in 15% (experiments/results/pin_study_qwen_8k_multiquery.md); not yet run
-    end to end.
+    the last query's in 15% (experiments/results/pin_study_qwen_8k_multiquery.md); on one 32K
+    sample (CPU) W = 64 decoded full's answer where W = 1 lost two of its items
+    (..._multiquery_pinned_window_s5_cpu.md). Not yet the default: 25 GPU samples decide.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
