@@ -101,11 +101,6 @@ def span_ids(starts, stored, span: int):
   return np.where(ok, ids, -1).reshape(*starts.shape[:-1], -1)
 
 
-def _logsumexp(x):  # [..., n] -> [...]
-  peak = x.max(-1)
-  return peak + np.log(np.exp(x - peak[..., None]).sum(-1))
-
-
 def layer_rows(layers) -> slice | np.ndarray:
   """`layers` (ints, ascending) as an index of an [L, ...] array's first axis: a slice where they
   are consecutive (reads are views and writes basic assignments, not fancy-index copies; the
@@ -276,7 +271,7 @@ class PrefetchRuntime(HostRuntime):
             continue
           keys = store.to_float32(store.gather_rows(b, int(layer), h // group, ids)[0])  # [n, D]
           scores = self.scale * (queries[layer, b, h][valid[b]] @ keys.T)  # [W', n]
-          lse = np.logaddexp(_logsumexp(scores), device_lse[layer, b, h][valid[b]])
+          lse = np.logaddexp(np.logaddexp.reduce(scores, axis=-1), device_lse[layer, b, h][valid[b]])
           votes = np.exp(scores - lse[:, None]).sum(0)
           best = ids[np.argsort(-votes, kind="stable")[:self.pinned]]
           self.pinned_ids[layer, b, h, :len(best)] = best

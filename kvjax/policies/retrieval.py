@@ -703,15 +703,16 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _last_prompt_queries(self, cfg, state: RetrievalState):
     """[L, B, Hq, D]: each layer's query of the last prompt token, from the ring (a context is
     saved right after its prefill, so a loaded ring still holds it)."""
-    lengths = np.asarray(state.prompt_lengths)
-    last = jnp.asarray(np.maximum(lengths - 1 - self.sinks, 0) % self.ring_len, jnp.int32)  # its query slot
-    return jax.vmap(lambda q_b, s: q_b[:, :, s], in_axes=(1, 0), out_axes=1)(state.ring_q, last)
+    return self._prompt_window(cfg, state, 1)[0][:, :, :, 0]
+
+  def _prompt_window(self, cfg, state: RetrievalState, size: int):
+    return prompt_window(state.ring_q, state.ring_k, state.prompt_lengths, sinks=self.sinks, size=size,
+                         scale=cfg.attn_scale)
 
   def _pin(self, cfg, state: RetrievalState) -> None:
     if not self.pinned_per_head:
       return
-    q, lse, valid = jax.device_get(prompt_window(state.ring_q, state.ring_k, state.prompt_lengths, sinks=self.sinks,
-                                                 size=self.pinned_window, scale=cfg.attn_scale))
+    q, lse, valid = jax.device_get(self._prompt_window(cfg, state, self.pinned_window))
     self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(q, np.float32), np.asarray(lse), np.asarray(valid))
 
   def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
