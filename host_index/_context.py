@@ -679,6 +679,13 @@ class HostContext:
         self.wait_builds()  # never a half-built index on disk
         _saveload.save_context(self, path, dict(meta if meta is not None else self.meta))
 
+    def copy(self) -> "HostContext":
+        """An independent copy in memory (store, indexes, meta), as `save` then `load` would
+        give, for the same (seq, layer)s' capacity; waits for queued builds first."""
+        from host_index import _saveload
+        self.wait_builds()
+        return _saveload.copy_context(self)
+
     @classmethod
     def load(cls, path, *, expect_meta: dict | None = None,
              max_bytes: int | None = None) -> "HostContext":

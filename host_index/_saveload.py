@@ -9,6 +9,7 @@ from host_index._persist import CorruptFileError
 
 CONTEXT_FORMAT = "kvjax.host_context/1"
 STORE_FORMAT = "kvjax.kv_store/1"
+INDEX_PARTS = ("adj", "deg", "centroids", "assign", "hubs")  # Index export() arrays, in restore()'s order
 
 
 def _store_meta(store) -> dict:
@@ -71,7 +72,7 @@ def save_context(ctx, path, meta: dict) -> None:
                 st = ix._c.export()
                 key = f"{s}/{l}/{h}"
                 indexes[key] = {"n": st["n"], "entry": st["entry"], "nlist": st["nlist"]}
-                for part in ("adj", "deg", "centroids", "assign", "hubs"):
+                for part in INDEX_PARTS:
                     blobs.append((f"ix/{key}/{part}", [st[part]]))
     head = {"format": CONTEXT_FORMAT, "store": _store_meta(ctx.store),
             "context": {"num_q_heads": ctx.num_q_heads, "kind": ctx.kind,
@@ -112,8 +113,7 @@ def load_context(cls, path, expect_meta, max_bytes):
                         n, entry, nlist = int(d["n"]), int(d["entry"]), int(d["nlist"])
                         if n > ctx.store.length(s, l):
                             raise ValueError(f"index covers {n} > stored tokens")
-                        parts = [rd.read(f"ix/{key}/{p}")
-                                 for p in ("adj", "deg", "centroids", "assign")]
+                        parts = [rd.read(f"ix/{key}/{p}") for p in INDEX_PARTS[:-1]]
                         if rd.has(f"ix/{key}/hubs"):  # files before roar's hubs have none
                             parts.append(rd.read(f"ix/{key}/hubs"))
                         ix._c.restore(n, entry, nlist, *parts)
@@ -123,6 +123,28 @@ def load_context(cls, path, expect_meta, max_bytes):
                         raise CorruptFileError(f"{path}: index {key}: {e}") from e
         ctx.meta = head["user"]
         return ctx
+
+
+def copy_context(ctx):
+    """A new HostContext holding what `ctx` holds (store, indexes, meta): save_context then
+    load_context without the file, so without its checksums (nothing crossed a disk)."""
+    new = type(ctx)(ctx.num_seqs, ctx.num_layers, ctx.num_q_heads, ctx.num_kv_heads, ctx.head_dim,
+                    dtype=ctx.store.dtype, kind=ctx.kind, index_params=ctx.index_params,
+                    max_bytes=ctx.store.max_bytes, page_size=ctx.store.page_size, seed=ctx.seed,
+                    roar_heads=ctx.roar_heads)
+    src, dst = ctx.store, new.store
+    for s in range(src.num_seqs):
+        for l in range(src.num_layers):
+            n = src.length(s, l)
+            new.reserve(s, l, src.capacity(s, l))  # store and node arrays: the decode room `ctx` has
+            for a, b in zip(src.buffers(s, l)[:2], dst.buffers(s, l)[:2]):
+                b[:, :n] = a[:, :n]
+            dst._len[s, l] = n
+            for ix, copy in zip(ctx._ix[s][l], new._ix[s][l]):
+                st = ix._c.export()
+                copy._c.restore(st["n"], st["entry"], st["nlist"], *(st[p] for p in INDEX_PARTS))
+    new.meta = dict(ctx.meta)
+    return new
 
 
 def _check_head(rd, fmt, expect_meta) -> dict:

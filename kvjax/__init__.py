@@ -6,7 +6,7 @@
     print(result.texts[0], result.ms_per_token)
 """
 
-from kvjax.context_cache import load_context, save_context
+from kvjax.context_cache import copy_context, load_context, save_context
 from kvjax.determinism import use_deterministic_xla
 from kvjax.generate import GenerationResult, PrefilledContext, check_context, decode, generate, prefill
 from kvjax.policies import AttentionPolicy, make_policy, policy_names
@@ -38,6 +38,7 @@ __all__ = [
     "PasskeyPrompt",
     "SamplingConfig",
     "check_context",
+    "copy_context",
     "decode",
     "generate",
     "load_context",

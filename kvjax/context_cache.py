@@ -1,4 +1,4 @@
-"""Saving and loading prefilled contexts, so decode never waits for a second prefill.
+"""Saving, loading and copying prefilled contexts, so decode never waits for a second prefill.
 
 A saved context is a directory, written under a temporary name and renamed into place:
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.generate import PrefilledContext, check_model
+from kvjax.generate import PrefilledContext, check_mesh, check_model
 from kvjax.policies import make_policy
 from kvjax.sharding import ShardedPolicy, join_state, replicated, split_state
 from models.tensor_parallel import local_config
@@ -205,32 +205,79 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
       raise ValueError(f"array {key!r} of {str(path)!r} does not match its manifest (shape, dtype or checksum)")
     arrays[key] = array
   hosts = manifest["host"] if isinstance(manifest["host"], list) else [manifest["host"]] * devices
-  cfg = model.cfg if mesh is None else local_config(model.cfg, devices)
-  states = []
-  for d, device in enumerate([None] if mesh is None else list(mesh.devices.flat)):
+  leaves, host_contexts = [], []
+  for d, device in enumerate(_devices(mesh)):
     prefix = "" if devices == 1 else f"dev{d}_"
     count = sum(1 for key in arrays if key.startswith(prefix + "leaf_"))
-    with jax.default_device(device):  # each device's share (and its runtime's work) on that device
-      leaves = [arrays[f"{prefix}leaf_{i}"] if device is None else jax.device_put(arrays[f"{prefix}leaf_{i}"], device)
-                for i in range(count)]
-      state = _build_tree(manifest["structure"], leaves)
-      if hosts[d] is not None:
-        import host_index
+    leaves.append([arrays[f"{prefix}leaf_{i}"] if device is None else jax.device_put(arrays[f"{prefix}leaf_{i}"], device)
+                   for i in range(count)])
+    if hosts[d] is None:
+      host_contexts.append(None)
+    else:
+      import host_index
 
-        host = host_index.HostContext.load(path / hosts[d], expect_meta=identity)
+      host_contexts.append(host_index.HostContext.load(path / hosts[d], expect_meta=identity))
+  return _assemble(model, policy, [_build_tree(manifest["structure"], x) for x in leaves], host_contexts,
+                   identity=identity, prompt_lengths=list(manifest["prompt_lengths"]),
+                   capacity=int(manifest["capacity"]), last_hidden=arrays["last_hidden"],
+                   prefill_seconds=float(manifest["prefill_seconds"]), metadata=dict(manifest.get("metadata") or {}))
+
+
+def copy_context(context: PrefilledContext, model, *, policy_options: dict | None = None) -> PrefilledContext:
+  """An independent copy of `context` (not yet decoded) in memory: what `save_context` then
+  `load_context(..., policy_options=...)` give, without the disk or its checksums.
+
+  Decode consumes a context, so comparing decode options on one prefill means a copy per
+  decode: copy first, then decode the copies and the original in any order.
+
+  Args:
+    context: from kvjax.prefill() or load_context(), not decoded yet.
+    model: the model that prefilled it.
+    policy_options: decode-time options that override the context's (as in load_context).
+  """
+  if context.spent or context.state is None:
+    raise ValueError("this context was decoded already; copy it before decoding")
+  check_model(model, context)
+  check_mesh(model, context)
+  policy, states = _per_device_states(context)
+  new_policy = _restore_policy({"name": policy.name, "options": _policy_options(policy)}, policy_options or {})
+  hosts = []
+  for state in states:
+    host = policy.host_context(state)
+    hosts.append(None if host is None else host.copy())
+  fresh = lambda array: jnp.array(array, copy=True)  # decode donates the copy's buffers, not the original's
+  identity = {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype}
+  return _assemble(model, new_policy, [jax.tree.map(fresh, state) for state in states], hosts, identity=identity,
+                   prompt_lengths=list(context.prompt_lengths), capacity=context.capacity,
+                   last_hidden=fresh(context.last_hidden), prefill_seconds=context.prefill_seconds,
+                   metadata=dict(context.metadata))
+
+
+def _devices(mesh) -> list:
+  return [None] if mesh is None else list(mesh.devices.flat)
+
+
+def _assemble(model, policy, states, hosts, *, identity, prompt_lengths, capacity, last_hidden, prefill_seconds,
+              metadata) -> PrefilledContext:
+  """A context from each device's state and host context (None for device-only policies): every
+  host context gets a new runtime and its decode room, as after a prefill."""
+  mesh = getattr(model, "mesh", None)
+  cfg = model.cfg if mesh is None else local_config(model.cfg, len(states))
+  attached = []
+  for state, host, device in zip(states, hosts, _devices(mesh)):
+    with jax.default_device(device):  # each device's share (and its runtime's work) on that device
+      if host is not None:
         state = policy.attach_host(cfg, state, host)
-        policy.reserve_decode_room(cfg, host, int(manifest["capacity"]))  # not saved: room, not data
-    states.append(state)
-  last_hidden = arrays["last_hidden"]
+        policy.reserve_decode_room(cfg, host, capacity)  # not saved: room, not data
+    attached.append(state)
   if mesh is None:
-    state = states[0]
+    state = attached[0]
   else:
-    policy, state, last_hidden = ShardedPolicy(policy, mesh), join_state(states, mesh), replicated(last_hidden, mesh)
+    policy, state, last_hidden = ShardedPolicy(policy, mesh), join_state(attached, mesh), replicated(last_hidden, mesh)
   return PrefilledContext(
       model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"], policy=policy,
-      state=state, prompt_lengths=list(manifest["prompt_lengths"]), capacity=int(manifest["capacity"]),
-      last_hidden=last_hidden, prefill_seconds=float(manifest["prefill_seconds"]),
-      metadata=dict(manifest.get("metadata") or {}), _release=policy.release_fn(state))
+      state=state, prompt_lengths=prompt_lengths, capacity=capacity, last_hidden=last_hidden,
+      prefill_seconds=prefill_seconds, metadata=metadata, _release=policy.release_fn(state))
 
 
 def _per_device_states(context: PrefilledContext):

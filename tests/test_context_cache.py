@@ -95,3 +95,37 @@ def test_corruption_is_detected(tmp_path):
     kvjax.load_context(tmp_path / "ctx", model)
   with pytest.raises(ValueError, match="not a saved kvjax context"):
     kvjax.load_context(tmp_path / "nothing", model)
+
+
+@pytest.mark.parametrize("policy, options", CASES + [
+    ("retrieval", dict(index="roar", topk=6, bridge="per_step", lag=2, speculative=True, pinned=2, pinned_window=3,
+                       **SMALL))])
+def test_copied_context_decodes_token_for_token_and_leaves_the_original_whole(policy, options):
+  model = tiny_model("llama")
+  direct = kvjax.generate(model, prompts(), max_new_tokens=20, policy=policy, policy_options=options,
+                          prefill_chunk=16, return_logits=True)
+  context = kvjax.prefill(model, prompts(), max_new_tokens=20, policy=policy, policy_options=options,
+                          prefill_chunk=16)
+  copy = kvjax.copy_context(context, model)
+  assert copy.policy == context.policy and copy.capacity == context.capacity
+  for decoded in (copy, context):  # the copy first: decoding it must leave the original as prefilled
+    result = kvjax.decode(model, decoded, max_new_tokens=20, return_logits=True)
+    assert result.tokens == direct.tokens
+    np.testing.assert_allclose(result.logits, direct.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_copy_takes_decode_options_and_refuses_the_rest():
+  model = tiny_model("llama")
+  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval",
+                          policy_options=dict(index="flat", topk=6, **SMALL), prefill_chunk=16)
+  spec = kvjax.decode(model, kvjax.copy_context(context, model, policy_options=dict(speculative=True, tau=1.0)),
+                      max_new_tokens=12, return_logits=True)
+  assert spec.policy_stats["hit_rate"] is not None  # the copy decoded speculatively
+  with pytest.raises(ValueError, match="window"):
+    kvjax.copy_context(context, model, policy_options=dict(window=16))
+  with pytest.raises(ValueError, match="made by model"):
+    kvjax.copy_context(context, tiny_model("llama", norm_eps=1e-3))
+  plain = kvjax.decode(model, context, max_new_tokens=12, return_logits=True)
+  np.testing.assert_allclose(spec.logits, plain.logits, rtol=1e-4, atol=1e-4)  # tau 1 = not speculative
+  with pytest.raises(ValueError, match="decoded already"):
+    kvjax.copy_context(context, model)

@@ -50,6 +50,28 @@ def test_context_round_trip(tmp_path, kind):
     assert (tmp_path / "again.kvjx").read_bytes() == path.read_bytes()
 
 
+@pytest.mark.parametrize("kind", ["flat", "ivf", "graph", "roar"])
+def test_context_copy_is_what_a_save_holds_and_independent(tmp_path, kind):
+    ctx = make_ctx(kind, dtype="bfloat16" if kind == "graph" else "float16")
+    ctx.reserve(0, 0, 700)  # decode room, kept by the copy
+    ctx.meta = {"model": "smollm2"}
+    copy = ctx.copy()
+    ctx.save(tmp_path / "a.kvjx")
+    copy.save(tmp_path / "b.kvjx")
+    assert (tmp_path / "a.kvjx").read_bytes() == (tmp_path / "b.kvjx").read_bytes()
+    assert copy.meta == ctx.meta and copy.meta is not ctx.meta
+    assert [copy.store.capacity(0, l) for l in range(L)] == [ctx.store.capacity(0, l) for l in range(L)]
+    # Inserting into one changes nothing in the other.
+    q = np.random.default_rng(1).standard_normal((S, HQ, D)).astype(np.float32)
+    before = ctx.attend(1, q, k=10, ef=32, return_ids=True)
+    copy.insert(0, 1, 305, 3 * np.ones((HKV, 4, D), np.float32), np.ones((HKV, 4, D), np.float32))
+    assert copy.indexed(0, 1) == 309 and ctx.indexed(0, 1) == ctx.store.length(0, 1) == 305
+    for a, b in zip(before, ctx.attend(1, q, k=10, ef=32, return_ids=True)):
+        np.testing.assert_array_equal(a, b)
+    ctx.save(tmp_path / "c.kvjx")
+    assert (tmp_path / "c.kvjx").read_bytes() == (tmp_path / "a.kvjx").read_bytes()
+
+
 def test_store_round_trip(tmp_path):
     st = hi.KVStore(2, 1, HKV, D, dtype="float32")
     rng = np.random.default_rng(0)

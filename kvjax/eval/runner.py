@@ -4,9 +4,9 @@ Prefill is per policy: the policy decides the state the prompt is prefilled into
 cache, a sink + window ring with a host store, an index...), and kvjax's public API has no
 conversion between states. What can be shared is shared: policy specs that differ only in
 decode-time options (the policy's `decode_options`, e.g. retrieval's topk / speculative /
-tau, freekv's speculative / tau) form one group, prefilled once, saved with
-kvjax.save_context and loaded afresh for each further member (decode consumes a context).
-So a sample costs one prefill per group, not per spec.
+tau, freekv's speculative / tau) form one group, prefilled once and copied in memory
+(kvjax.copy_context) for each further member (decode consumes a context). So a sample costs
+one prefill per group, not per spec.
 
 Decoding is greedy and token by token through kvjax.decode, so every generated token after
 the first runs the policy's sparse decode path, not only the prefill.
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -139,7 +137,6 @@ def run_sample(
     *,
     max_new_tokens: int | None = None,
     prefill_chunk: int = 1024,
-    work_dir: str | pathlib.Path | None = None,
     early_stop: bool = False,
 ) -> list[dict]:
   """Decodes `sample` under every spec in `policies`; one record per spec, in their order.
@@ -150,8 +147,6 @@ def run_sample(
     policies: the specs to compare.
     max_new_tokens: generation per decode; default: the sample's own.
     prefill_chunk: prompt tokens per prefill step.
-    work_dir: where shared contexts are saved between decodes (a temporary directory
-      by default, removed afterwards).
     early_stop: also stop a decode once its text is `Sample.complete` (every answer in it, for
       the substring metrics): the score is the one the whole generation would get, in fewer
       steps; kv_retrieval (whole-word match) always decodes in full.
@@ -178,24 +173,25 @@ def run_sample(
     groups.setdefault(spec.prefill_key(), []).append(i)
 
   records: list[dict | None] = [None] * len(policies)
-  with tempfile.TemporaryDirectory(dir=work_dir, prefix="kvjax-eval-") as tmp:
-    for members in groups.values():
-      first = policies[members[0]]
-      context = kvjax.prefill(model, ids, max_new_tokens=new_tokens, policy=first.policy,
-                              policy_options=first.options, prefill_chunk=prefill_chunk)
-      saved = pathlib.Path(tmp) / f"ctx-{members[0]}"
-      if len(members) > 1:
-        kvjax.save_context(context, saved)
-      for n, i in enumerate(members):
-        spec = policies[i]
-        if n:  # every decode option given explicitly: unset ones must not inherit the first spec's
-          policy = make_policy(spec.policy, **spec.options)
-          context = kvjax.load_context(saved, model, policy_options={
-              k: getattr(policy, k) for k in policy.decode_options})
-        result = kvjax.decode(model, context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
-                              stop_when=stop_when)
-        records[i] = _record(sample, spec, result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
+  for members in groups.values():
+    first = policies[members[0]]
+    context = kvjax.prefill(model, ids, max_new_tokens=new_tokens, policy=first.policy,
+                            policy_options=first.options, prefill_chunk=prefill_chunk)
+    # Decode consumes a context: the later members decode copies of it, each copied just before
+    # (two contexts held at a time) with every decode option given explicitly (unset ones must
+    # not inherit the first spec's), and the first member decodes the prefilled one last.
+    for i in members[1:] + members[:1]:
+      member_context = context if i == members[0] else kvjax.copy_context(
+          context, model, policy_options=_decode_options(policies[i]))
+      result = kvjax.decode(model, member_context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
+                            stop_when=stop_when)
+      records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
   return records  # type: ignore[return-value]
+
+
+def _decode_options(spec: PolicySpec) -> dict:
+  policy = make_policy(spec.policy, **spec.options)
+  return {k: getattr(policy, k) for k in policy.decode_options}
 
 
 def run_samples(model, samples: Iterable[Sample], policies: Sequence[PolicySpec], *,

@@ -428,12 +428,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     state = super().attach_host(cfg, state, context)
     if self.bridge != "per_step":
       return state
-    if state.buf_k.shape[3] == self.slots_per_head:  # the host's record of what the loaded buffers hold
-      self.runtime(state).slot_ids = np.asarray(state.buf_ids, np.int64)
-      self._pin(cfg, state)  # as finish_prefill did
-      return self._warm_scatter(state)
-    # topk, the successors, the tail slots or the pinned spans changed at load. A context is saved right
-    # after its prefill, so the first step's rows are selected again as finish_prefill did, into new buffers.
+    # A context is saved right after its prefill, so the first step's rows are selected again as
+    # finish_prefill did, into new buffers: the runtime's selection history (each head's last query
+    # and ids, which speculation compares with) is then the prefill's too, whatever the saved rows
+    # held, and the row options (topk, successors, tail slots, pins) may change at load.
     n, B, Hq, _, D = state.buf_k.shape
     rows = (n, B, Hq, self.slots_per_head)
     state = state.replace(buf_k=jnp.zeros(rows + (D,), state.buf_k.dtype, device=state.buf_k.sharding),
