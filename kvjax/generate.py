@@ -117,7 +117,8 @@ class PrefilledContext:
   """A batch of prompts run through the model, ready to decode.
 
   Decoding consumes it (the policy state is donated to the decode steps and the host store
-  grows): decode it once, or save it first and load a fresh copy per decode.
+  grows): decode it once, or copy it first (kvjax.copy_context, in memory) or save it and load a
+  fresh copy per decode.
 
   Attributes:
     model_name, config_hash, dtype: the identity of the model that made it.
