@@ -116,9 +116,9 @@ def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
 
 
 def run_saved(devices: int = 2) -> dict:
-  """A retrieval (per_step) context prefilled over `devices`, saved and loaded: decode of the
-  loaded context equals decode right after prefill, token for token; a model on another device
-  count is refused."""
+  """A retrieval (per_step) context prefilled over `devices`, saved and loaded, and copied in
+  memory: decode of the loaded context and of the copy equals decode right after prefill, token
+  for token; a model on another device count is refused."""
   import tempfile
 
   model = tiny()
@@ -129,6 +129,7 @@ def run_saved(devices: int = 2) -> dict:
                       policy_options=options)
   with tempfile.TemporaryDirectory() as tmp:
     kvjax.save_context(ctx, f"{tmp}/c")
+    copied = kvjax.decode(sharded, kvjax.copy_context(ctx, sharded), max_new_tokens=STEPS, return_logits=True)
     direct = kvjax.decode(sharded, ctx, max_new_tokens=STEPS, return_logits=True)
     loaded = kvjax.decode(sharded, kvjax.load_context(f"{tmp}/c", sharded), max_new_tokens=STEPS,
                           return_logits=True)
@@ -139,6 +140,8 @@ def run_saved(devices: int = 2) -> dict:
       refused = f"prefilled over {devices} device(s)" in str(e)
   row = dict(case="saved_retrieval_per_step", devices=devices, tokens_equal=loaded.tokens == direct.tokens,
              max_abs=float(np.abs(loaded.logits - direct.logits).max()), refused_other_device_count=refused,
+             copy_tokens_equal=copied.tokens == direct.tokens,
+             copy_max_abs=float(np.abs(copied.logits - direct.logits).max()),
              runtimes_left=len(host_runtime._RUNTIMES))
   print(json.dumps(row), flush=True)
   return row

@@ -33,7 +33,7 @@ TOL = 1e-4  # float32 logits; sharding changes only the order of the psum's addi
 # count: full on 4, the rest on 2; the head split is the same code for every policy.
 CASES = ["full_qwen2_fused_unrolled:4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2", "freekv:2",
          "freekv_per_step_lag2_keys2_int8:2"]
-SAVED = "saved:2"  # a sharded context saved and loaded (sharded_decode_check.run_saved)
+SAVED = "saved:2"  # a sharded context saved and loaded, and copied (sharded_decode_check.run_saved)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,7 @@ def test_saved_sharded_context_decodes_token_for_token(sharded_rows):
   assert len(saved) == 1
   row = saved[0]
   assert row["tokens_equal"] and row["max_abs"] < TOL, row  # each device got back its own heads and host share
+  assert row["copy_tokens_equal"] and row["copy_max_abs"] < TOL, row  # so did each device's in-memory copy
   assert row["refused_other_device_count"], row  # onto one device: a clear ValueError
   assert row["runtimes_left"] == 0, row
 
