@@ -228,7 +228,9 @@ def copy_context(context: PrefilledContext, model, *, policy_options: dict | Non
   `load_context(..., policy_options=...)` give, without the disk or its checksums.
 
   Decode consumes a context, so comparing decode options on one prefill means a copy per
-  decode: copy first, then decode the copies and the original in any order.
+  decode: copy first, then decode the copies and the original in any order. A copy holds its
+  own device state and host store until it is decoded or closed: for a dense cache at long
+  context (`full`), saving and loading one decode at a time needs half the device memory.
 
   Args:
     context: from kvjax.prefill() or load_context(), not decoded yet.
