@@ -279,7 +279,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: int | None = None
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
-  # with other values selects the first step's rows again into buffers of the new size (attach_host).
+  # selects the first step's rows again (attach_host), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice",
                     "index_threads", "reserved_cores")
