@@ -1,4 +1,4 @@
-"""What does scoring every page cost a freekv step? Times freekv.layer_scores (all layers of
+"""What does scoring every page cost a freekv step? Times page_selection.layer_scores (all layers of
 one step, as after_layers calls it) for each page summary: FreeKV's min/max bound and key codes
 of 2 / 4 bits, the latter through the Pallas kernel and through XLA.
 
@@ -22,7 +22,7 @@ from absl import app, flags
 
 import ops
 import results_io
-from kvjax.policies import freekv, page_summary
+from kvjax.policies import page_selection, page_summary
 
 flags.DEFINE_list("contexts", ["32768", "131072"], "Tokens per sequence held as pages.")
 flags.DEFINE_list("batches", ["1", "4"], "Sequences.")
@@ -71,7 +71,7 @@ def _kernel_configs() -> list[tuple[int | None, int | None]]:
 
 
 def _swept_scores(q, summary, *, scale: float, block_bytes: int, num_warps: int):
-  """freekv.layer_scores' Pallas call (layers folded into the batch) with a kernel config."""
+  """page_selection.layer_scores' Pallas call (layers folded into the batch) with a kernel config."""
   codes, lo, step = summary
   L, B = q.shape[:2]
   flat = lambda x: x.reshape((L * B,) + x.shape[2:])
@@ -95,7 +95,7 @@ def main(argv):
         for impl in impls:
           for block_bytes, num_warps in _kernel_configs() if impl == "pallas" else [(None, None)]:
             if block_bytes is None and num_warps is None:  # exactly what a freekv step calls
-              fn = jax.jit(lambda q, s, impl=impl: freekv.layer_scores(q, s, scale=D**-0.5, implementation=impl))
+              fn = jax.jit(lambda q, s, impl=impl: page_selection.layer_scores(q, s, scale=D**-0.5, implementation=impl))
             else:
               fn = jax.jit(lambda q, s, bb=block_bytes, nw=num_warps: _swept_scores(
                   q, s, scale=D**-0.5, block_bytes=bb, num_warps=nw))
@@ -106,7 +106,7 @@ def main(argv):
             print(row, flush=True)
             rows.append(row)
       del summary
-  notes = (f"freekv.layer_scores over {L} layers, {Hq} query / {H} KV heads, head_dim {D}, pages of {P}: "
+  notes = (f"page_selection.layer_scores over {L} layers, {Hq} query / {H} KV heads, head_dim {D}, pages of {P}: "
            "the per-head page scores one step's selection needs. Random inputs; median of "
            f"{FLAGS.reps} calls after a warm-up; read_GBps = summary bytes / time.")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)

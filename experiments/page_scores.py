@@ -1,7 +1,7 @@
 """Which page summary keeps a needle's page: freekv's min/max bound against quantized keys.
 
 freekv (and quest) choose pages by an upper bound of q·k from each page's per-channel key
-max and min (`kvjax.policies.freekv.page_scores`). On RULER samples this study captures the
+max and min (`kvjax.policies.page_selection.page_scores`). On RULER samples this study captures the
 real post-RoPE queries and keys under full attention (experiments/recall.py's capture), then,
 at every decode step, layer and KV head, scores the complete pages between the sinks and the
 window with each variant below, pools them over the GQA group as freekv does (softmax per
@@ -102,10 +102,10 @@ def answer_token(tokenizer, ids: list[int], answer: str) -> int:
 
 
 def check_against_freekv(qg, pages, scale: float, pooled) -> None:
-  """The NumPy min/max pooling equals kvjax.policies.freekv.page_scores on this case."""
+  """The NumPy min/max pooling equals kvjax.policies.page_selection.page_scores on this case."""
   import jax.numpy as jnp
 
-  from kvjax.policies.freekv import page_scores
+  from kvjax.policies.page_selection import page_scores
 
   got = page_scores(jnp.asarray(qg[None]), jnp.asarray(pages.max(1)[None, None]),
                     jnp.asarray(pages.min(1)[None, None]), jnp.asarray([len(pages)]), scale=scale)

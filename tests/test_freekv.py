@@ -13,7 +13,8 @@ import kvjax
 from kvjax import engine, freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import FreeKVAttention, make_policy
 from kvjax.policies import freekv as freekv_policy
-from kvjax.policies.freekv import page_scores, plan_recall, top_pages
+from kvjax.policies import page_selection
+from kvjax.policies.page_selection import page_scores, plan_recall, top_pages
 from test_generate import random_prompt, tiny_model
 
 SMALL = dict(page_size=4, sinks=4, window=8)
@@ -136,9 +137,9 @@ def test_lost_mass_counts_only_pages_the_reused_selection_lacks():
   pooled = np.array([[[0.5, 0.2, 0.2, 0.1]]], np.float32)  # [B=1, H=1, N=4]
   selection = np.array([[[0, 2, -1]]], np.int32)
   reused = np.array([[[2, 3, -1]]], np.int32)
-  lost = freekv_policy._lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(reused))
+  lost = page_selection.lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(reused))
   np.testing.assert_allclose(np.asarray(lost), [[0.5]])  # page 0 is new, page 2 was held, -1 is no page
-  same = freekv_policy._lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(selection))
+  same = page_selection.lost_mass(jnp.asarray(pooled), jnp.asarray(selection), jnp.asarray(selection))
   np.testing.assert_array_equal(np.asarray(same), [[0.0]])
 
 
@@ -529,7 +530,7 @@ def test_layer_scores_equal_each_layers_scores(bits, monkeypatch):
   real = ops.key_page_scores
   monkeypatch.setattr(ops, "key_page_scores", functools.partial(real, interpret=True))
   for impl in ("pallas", "xla"):
-    got = freekv_policy.layer_scores(q, summary, scale=0.5, implementation=impl)
+    got = page_selection.layer_scores(q, summary, scale=0.5, implementation=impl)
     assert got.shape == (L, B, H, G, N)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4, err_msg=impl)
 
@@ -541,7 +542,7 @@ def test_key_codes_hold_every_stored_key_and_select_the_next_pages():
   import jax
 
   from kvjax.policies import page_summary
-  from kvjax.policies.freekv import pooled_scores
+  from kvjax.policies.page_selection import pooled_scores
   from kvjax.sampling import SamplingConfig
   from models.rope import rope_tables
 

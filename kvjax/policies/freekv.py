@@ -63,7 +63,7 @@ experiments/results/bench_scale_8b_synthetic_128k_step_b1.md). So per_step keeps
 the jitted step. Every head attends its whole pool (the previous step's selection and, where that
 had fewer than n_sel pages, older resident ones) besides the ring; the one selection made in the
 step (q_t over the pages complete after its eviction) serves the next step, and the step exports
-its missing pages and their slots (plan_recall), the evicted token and the counters. Between
+its missing pages and their slots (page_selection.plan_recall), the evicted token and the counters. Between
 steps (`after_step`) the host gathers the missing pages into one packed
 kvjax.row_update.RowUpdate, starts its copy to the device (from page-locked memory by default),
 then appends the evicted tokens; the update is scattered into the pool in place. There is no correction (it would need the host inside the
@@ -115,7 +115,7 @@ import numpy as np
 import host_index
 import ops
 from kvjax import freekv_host, host_runtime, kv_codec, row_update
-from kvjax.policies import page_summary
+from kvjax.policies import page_selection, page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense, attend_ring
@@ -167,180 +167,6 @@ class FreeKVState:
   staged: bool = flax.struct.field(pytree_node=False, default=False)
 
 
-# -- selection and recall planning (pure jnp, per layer) -------------------------------------
-
-
-def page_scores(
-    q,  # [B, Hq, D] unscaled
-    kmax,  # [B, Hkv, N, D]
-    kmin,  # [B, Hkv, N, D]
-    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
-    *,
-    scale: float,
-):
-  """Group-pooled page scores [B, Hkv, N] float32 from min/max summaries; -inf for non-candidates.
-
-  Per query head: softmax over the candidates of scale · Σ_d max(q_d·max_d, q_d·min_d); then
-  the mean over the GQA group of each KV head.
-  """
-  return pooled_scores(q, (kmax, kmin), num_candidates, scale=scale)
-
-
-def pooled_scores(
-    q,  # [B, Hq, D] unscaled
-    summary: tuple,  # one layer's (kmax, kmin) or (codes, lo, step): kvjax.policies.page_summary
-    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
-    *,
-    scale: float,
-    implementation: str = "xla",  # key codes: ops.key_page_scores' "pallas" or "xla"
-):
-  """Group-pooled page scores [B, Hkv, N] float32 (softmax over the candidates per query head,
-  mean over the group); -inf for non-candidates."""
-  s = page_summary.scores(q, summary, scale=scale, implementation=implementation)  # [B, Hkv, G, N]
-  return pool_scores(s, num_candidates)
-
-
-def pool_scores(
-    s,  # [B, Hkv, G, N] float32: per query head page scores (page_summary.scores)
-    num_candidates,  # [B] int32: pages 0 .. num_candidates - 1 are candidates
-):
-  """pooled_scores from the per-head scores: [B, Hkv, N] float32, -inf for non-candidates."""
-  N = s.shape[-1]
-  cand = jnp.arange(N)[None, :] < num_candidates[:, None]  # [B, N]
-  mask = cand[:, None, None, :]
-  s = jnp.where(mask, s, -jnp.inf)
-  m = jnp.max(s, axis=-1, keepdims=True)
-  e = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-  probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
-  return jnp.where(cand[:, None, :], jnp.mean(probs, axis=2), -jnp.inf)
-
-
-def top_pages(
-    pooled,  # [B, Hkv, N] float32, -inf for non-candidates
-    n_sel: int,
-):
-  """The n_sel best candidates per (seq, KV head), best first: [B, Hkv, n_sel] int32, -1 padded."""
-  N = pooled.shape[-1]
-  k = min(n_sel, N)
-  vals, idx = jax.lax.top_k(pooled, k)
-  ids = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
-  if k < n_sel:
-    ids = jnp.pad(ids, ((0, 0), (0, 0), (0, n_sel - k)), constant_values=-1)
-  return ids
-
-
-def _member(
-    items,  # [B, H, a] int32, -1 = none
-    pages,  # [B, H, b] int32, -1 = none
-):
-  """[B, H, a] bool: items[..., i] >= 0 and listed in pages."""
-  hit = (items[..., :, None] == pages[..., None, :]) & (pages[..., None, :] >= 0)
-  return jnp.any(hit, axis=-1) & (items >= 0)
-
-
-def plan_recall(
-    pool_ids,  # [B, H, n] int32: store page per slot, -1 empty
-    wanted,  # [B, H, m] int32: pages that must be resident, best first, -1 padded (m <= n)
-    pooled,  # [B, H, N] float32: current scores (eviction order)
-    max_recall: int,
-):
-  """Which missing pages to fetch and which slots they replace.
-
-  Missing = wanted and not resident, in `wanted` order, at most max_recall. Each goes to a
-  slot not holding a wanted page: empty slots first, then the resident page with the lowest
-  score (pages that are no candidate any more before all).
-
-  Returns:
-    fetch_ids [B, H, max_recall] int32 (compact, -1 padded), fetch_slots [B, H, max_recall]
-    int32 (n where nothing is fetched), and the pool's page ids afterwards [B, H, n].
-  """
-  B, H, n = pool_ids.shape
-  missing = (wanted >= 0) & ~_member(wanted, pool_ids)  # [B, H, m]
-  rank = jnp.cumsum(missing, axis=-1) - 1
-  take = missing & (rank < max_recall)
-  bh = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None])
-  fetch_ids = jnp.full((B, H, max_recall), -1, jnp.int32).at[
-      bh + (jnp.where(take, rank, max_recall),)].set(wanted, mode="drop")
-  score = jnp.take_along_axis(pooled, jnp.maximum(pool_ids, 0), axis=-1)  # [B, H, n]
-  prio = jnp.where(pool_ids < 0, -2.0, jnp.where(jnp.isfinite(score), score, -1.0))
-  prio = jnp.where(_member(pool_ids, wanted), 2.0, prio)  # softmax scores lie in [0, 1]
-  order = jnp.argsort(prio, axis=-1, stable=True)  # [B, H, n]: eviction order
-  # There are >= (missing count) unprotected slots, since len(wanted) <= n.
-  fetch_slots = jnp.where(fetch_ids >= 0, order[..., :max_recall], n).astype(jnp.int32)
-  new_ids = pool_ids.at[bh + (fetch_slots,)].set(fetch_ids, mode="drop")
-  return fetch_ids, fetch_slots, new_ids
-
-
-def listed_slots(
-    pool_ids,  # [B, H, n] int32
-    selection,  # [B, H, m] int32, -1 padded
-):
-  """Slots holding a selected page, ascending and compact: ([B, H, n] int32, counts [B, H] int32)."""
-  B, H, n = pool_ids.shape
-  member = _member(pool_ids, selection)
-  rank = jnp.cumsum(member, axis=-1) - 1
-  bh = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None])
-  slots = jnp.zeros((B, H, n), jnp.int32).at[bh + (jnp.where(member, rank, n),)].set(
-      jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, H, n)), mode="drop")
-  return slots, jnp.sum(member, axis=-1).astype(jnp.int32)
-
-
-def _stored_keys(
-    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
-    host_len,  # [B] int32: store tokens of each sequence
-    sinks: int,
-    slots: int,  # num_pages * page_size
-):
-  """The keys in the store's page slots [B, Hkv, slots, D] (zero-padded past the capacity) and
-  which hold a stored key [B, 1, slots, 1]."""
-  need = sinks + slots
-  if need > k.shape[2]:
-    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - k.shape[2]), (0, 0)))
-  valid = (jnp.arange(slots)[None] < host_len[:, None])[:, None, :, None]
-  return k[:, :, sinks:need], valid
-
-
-@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages"))
-def _prompt_summaries(
-    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
-    host_len,  # [B] int32: store tokens of each sequence
-    *,
-    sinks: int,
-    page_size: int,
-    num_pages: int,
-):
-  """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; (+inf, -inf) for
-  empty pages."""
-  B, H, _, D = k.shape
-  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
-  pages = stored.reshape(B, H, num_pages, page_size, D)
-  valid = valid.reshape(B, 1, num_pages, page_size, 1)
-  hi = jnp.max(jnp.where(valid, pages, -jnp.inf), axis=3)
-  lo = jnp.min(jnp.where(valid, pages, jnp.inf), axis=3)
-  some = jnp.any(valid, axis=3)
-  # An empty page's (min, max) is (+inf, -inf), so decode folds its first key in by min/max alone.
-  return jnp.where(some, lo, jnp.inf).astype(k.dtype), jnp.where(some, hi, -jnp.inf).astype(k.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages", "bits"))
-def _prompt_codes(
-    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
-    host_len,  # [B] int32: store tokens of each sequence
-    *,
-    sinks: int,
-    page_size: int,
-    num_pages: int,
-    bits: int,
-):
-  """The stored keys quantized over their own per-channel range: (codes [B, Hkv, num_pages,
-  page_size, D // (8 // bits)] uint8, lo [B, Hkv, D], step [B, Hkv, D]); empty slots hold code 0."""
-  B, H = k.shape[:2]
-  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
-  lo, step = page_summary.key_range(stored, valid, bits)
-  codes = jnp.where(valid, page_summary.quantize(stored, lo[:, :, None], step[:, :, None], bits), 0)
-  return codes.reshape(B, H, num_pages, page_size, -1), lo, step
-
-
 def _done(value):
   """A completed future holding `value`."""
   future = concurrent.futures.Future()
@@ -360,105 +186,6 @@ def _keep_last_query(
   last_q = jnp.sum(jnp.where(is_last[..., None, None], q.astype(jnp.float32), 0.0), axis=1)  # exact: one term
   keep = jnp.any(is_last, axis=1)[:, None, None]
   return state.replace(prev_q=state.prev_q.at[layer].set(jnp.where(keep, last_q, state.prev_q[layer])))
-
-
-def layer_scores(
-    q,  # [L, B, Hq, D] unscaled: each layer's query
-    summary: tuple,  # every layer's page summary (leading axis L)
-    *,
-    scale: float,
-    implementation: str,
-):
-  """page_summary.scores for every layer: [L, B, Hkv, G, N] float32. Min/max bounds are
-  vmapped; key codes go to the Pallas kernel in one call (layers folded into the batch: no
-  per-layer slice of the codes), or through XLA one layer at a time (lax.map: it unpacks each
-  layer's codes to f32 levels, ~0.5 GB a layer at 8B shapes and 128K)."""
-  score = functools.partial(page_summary.scores, scale=scale, implementation=implementation)
-  if len(summary) == 2:
-    return jax.vmap(score)(q, summary)
-  if implementation == "pallas":
-    L, B = q.shape[:2]
-    flat = lambda x: x.reshape((L * B,) + x.shape[2:])
-    s = score(flat(q), tuple(flat(x) for x in summary))
-    return s.reshape((L, B) + s.shape[1:])
-  return jax.lax.map(lambda xs: score(*xs), (q, summary))
-
-
-@functools.partial(jax.jit, static_argnames=("n_sel", "max_recall", "scale", "implementation"))
-def _first_selection(
-    prev_q,  # [L, B, Hq, D] float32: the prompt's last query per layer
-    summary: tuple,  # every layer's page summary (leading axis L)
-    pool_ids,  # [L, B, Hkv, n] int32
-    num_candidates,  # [B] int32: pages complete before the first decode step's eviction
-    *,
-    n_sel: int,
-    max_recall: int,
-    scale: float,
-    implementation: str,
-):
-  """Every layer's first selection and its recall plan: (selection [L, B, Hkv, n_sel],
-  fetch [L, B, Hkv, max_recall], slots [L, B, Hkv, max_recall], pool ids after it
-  [L, B, Hkv, n])."""
-
-  def one_layer(scores, ids):
-    selection, plan = select_and_plan(scores, num_candidates, ids, n_sel=n_sel, max_recall=max_recall)
-    return (selection,) + plan
-
-  scores = layer_scores(prev_q, summary, scale=scale, implementation=implementation)
-  return jax.vmap(one_layer)(scores, pool_ids)
-
-
-def select_and_plan(
-    scores,  # [B, Hkv, G, N] float32: one layer's per-head page scores (page_summary.scores)
-    num_candidates,  # [B] int32
-    pool_ids,  # [B, Hkv, n] int32: the pool the plan fills
-    *,
-    n_sel: int,
-    max_recall: int,
-):
-  """One layer's selection [B, Hkv, n_sel] and its recall plan, plan_recall's (fetch, slots,
-  pool ids after it)."""
-  pooled = pool_scores(scores, num_candidates)
-  selection = top_pages(pooled, n_sel)
-  return selection, plan_recall(pool_ids, selection, pooled, max_recall)
-
-
-@jax.jit
-def _occupied_slots(
-    pool_ids,  # [L, B, Hkv, n] int32, -1 = empty
-):
-  """Every layer's occupied pool slots, compact ascending, and their counts: ([L, B, Hkv, n],
-  [L, B, Hkv]) int32 (what a per_step step attends besides the ring)."""
-  return jax.vmap(listed_slots)(pool_ids, pool_ids)
-
-
-def _needs_correction(
-    q,  # [B, Hq, D]: this step's query
-    prev_q,  # [B, Hq, D] float32: the previous step's
-    primed,  # [] bool: the layer has decoded a step
-    tau: float,
-    kv_heads: int,
-):
-  """[B, Hkv] bool: heads whose group-mean cos(q_t, q_{t-1}) is below tau (every head of an
-  unprimed layer; every head at tau 1)."""
-  B, Hq, _ = q.shape
-  q32 = q.astype(jnp.float32)
-  cos = jnp.sum(q32 * prev_q, -1) / jnp.maximum(jnp.linalg.norm(q32, axis=-1) * jnp.linalg.norm(prev_q, axis=-1),
-                                                1e-30)
-  group_cos = jnp.mean(cos.reshape(B, kv_heads, Hq // kv_heads), axis=-1)
-  return ~primed | (group_cos < tau) | (tau >= 1.0)
-
-
-def _lost_mass(
-    pooled,  # [B, Hkv, N] float32: this query's group-pooled page scores (pool_scores; sum 1 over candidates)
-    selection,  # [B, Hkv, n] int32: this query's pages, -1 padded
-    reused,  # [B, Hkv, n] int32: the pages a speculative step would attend instead
-):
-  """[B, Hkv] float32: the pooled score mass of the pages this query selects that the reused
-  selection lacks: what reusing it would lose, by the page summaries' estimate."""
-  new = (selection >= 0) & ~_member(selection, reused)
-  mass = jnp.take_along_axis(pooled, jnp.maximum(selection, 0), axis=-1)
-  return jnp.sum(jnp.where(new, mass, 0.0), axis=-1)
 
 
 # -- the policy ------------------------------------------------------------------------------
@@ -625,12 +352,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return ev_pos, ev_pos >= self.sinks, self.sinks + (ev_pos - self.sinks) % self.ring_len
 
   def _heads_to_correct(self, q, prev_q, primed, kv_heads: int, selection, prev_sel, pooled):
-    """[B, Hkv] bool: the heads to correct, by tau (`_needs_correction`) and, with correct_mass,
-    by the mass their reused selection would lose (`_lost_mass`; pooled [B, Hkv, N])."""
-    correct = _needs_correction(q, prev_q, primed, self.tau, kv_heads)
+    """[B, Hkv] bool: the heads to correct, by tau (`page_selection.needs_correction`) and, with
+    correct_mass, by the mass their reused selection would lose (`page_selection.lost_mass`;
+    pooled [B, Hkv, N])."""
+    correct = page_selection.needs_correction(q, prev_q, primed, self.tau, kv_heads)
     if self.correct_mass is None:
       return correct
-    return correct | (_lost_mass(pooled, selection, prev_sel) > self.correct_mass)
+    return correct | (page_selection.lost_mass(pooled, selection, prev_sel) > self.correct_mass)
 
   def describe(self) -> str:
     spec = f"speculative tau={self.tau}" if self.speculative else "not speculative"
@@ -792,11 +520,11 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         context.append(b, layer, 0, np.asarray(host_k[b, :, S:S + n]), np.asarray(host_v[b, :, S:S + n]))
     host_len = jnp.asarray(host_len, jnp.int32)
     if self.key_bits:
-      codes, lo, step = _prompt_codes(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state),
-                                      bits=self.key_bits)
+      codes, lo, step = page_summary.prompt_codes(k, host_len, sinks=S, page_size=P,
+                                                  num_pages=self._num_pages(state), bits=self.key_bits)
       return state.replace(kcodes=set_layer(state.kcodes, layer, codes), klo=set_layer(state.klo, layer, lo),
                            kstep=set_layer(state.kstep, layer, step))
-    lo, hi = _prompt_summaries(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state))
+    lo, hi = page_summary.prompt_minmax(k, host_len, sinks=S, page_size=P, num_pages=self._num_pages(state))
     return state.replace(kmin=set_layer(state.kmin, layer, lo), kmax=set_layer(state.kmax, layer, hi))
 
   def finish_prefill(self, cfg: ModelConfig, state: FreeKVState, on_progress=None) -> FreeKVState:
@@ -825,9 +553,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ids = state.pool_ids
     for i in range(self.lag):
       candidates = self._ring_pages(state.prompt_lengths + i)  # the pool's pages at decode step i + 1
-      selection, fetch, slots, ids = _first_selection(state.prev_q, self._summary(state), ids, candidates,
-                                                      n_sel=self.n_sel, max_recall=self.recall, scale=cfg.attn_scale,
-                                                      implementation=self._score_impl(cfg))
+      selection, fetch, slots, ids = page_selection.first_selection(
+          state.prev_q, self._summary(state), ids, candidates, n_sel=self.n_sel, max_recall=self.recall,
+          scale=cfg.attn_scale, implementation=self._score_impl(cfg))
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
       packed = self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices())))
@@ -901,7 +629,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                                        codec=self.host_codec)
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
-    pool_slots, pool_counts = _occupied_slots(pool_ids)
+    pool_slots, pool_counts = page_selection.occupied_slots(pool_ids)
     self.runtime(state).stats.land_seconds += time.perf_counter() - t0
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids, pool_slots=pool_slots,
                          pool_counts=pool_counts)
@@ -960,20 +688,21 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     c_ring = self._ring_pages(pos)  # pages before the ring's attended part: the pool's
 
     def one_layer(scores, q, prev_q, primed, prev_sel, pool_ids, promised):
-      pooled = pool_scores(scores, c_now)  # select_and_plan's steps, the pooled scores kept for correct_mass
-      selection = top_pages(pooled, n)
-      fetch, fetch_slots, promised = plan_recall(promised, selection, pooled, R)
-      hits = jnp.sum(_member(prev_sel, selection), axis=-1)
+      # select_and_plan's steps, the pooled scores kept for correct_mass
+      pooled = page_selection.pool_scores(scores, c_now)
+      selection = page_selection.top_pages(pooled, n)
+      fetch, fetch_slots, promised = page_selection.plan_recall(promised, selection, pooled, R)
+      hits = jnp.sum(page_selection.member(prev_sel, selection), axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
-      missed = jnp.sum(older & ~_member(selection, pool_ids), axis=-1)
+      missed = jnp.sum(older & ~page_selection.member(selection, pool_ids), axis=-1)
       reused = jnp.sum(prev_sel >= 0, axis=-1)
       # `correct` only counts the heads per_layer would correct.
       correct = self._heads_to_correct(q, prev_q, primed, H, selection, prev_sel, pooled)
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
       return selection, promised, fetch, fetch_slots, counters.astype(jnp.int32)
 
-    scores = layer_scores(state.step_q, self._summary(state), scale=cfg.attn_scale,
+    scores = page_selection.layer_scores(state.step_q, self._summary(state), scale=cfg.attn_scale,
                           implementation=self._score_impl(cfg))
     selection, promised, fetch, fetch_slots, counters = jax.vmap(one_layer)(
         scores, state.step_q, state.prev_q, state.primed, state.selection, state.pool_ids, state.promised_ids)
@@ -1058,26 +787,28 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     summary = tuple(x[layer] for x in self._summary(state))
 
     scores = page_summary.scores(q0, summary, scale=cfg.attn_scale, implementation=self._score_impl(cfg))
-    pooled_now = pool_scores(scores, c_prev)  # (the same scores serve the next step's selection below)
-    sel_now = top_pages(pooled_now, n)  # [B, H, n]
+    # (the same scores serve the next step's selection below)
+    pooled_now = page_selection.pool_scores(scores, c_prev)
+    sel_now = page_selection.top_pages(pooled_now, n)  # [B, H, n]
     correct = jnp.ones((B, H), bool)
     if self.speculative:
       correct = self._heads_to_correct(q0, prev_q, primed, H, sel_now, prev_sel, pooled_now)
-    hits = jnp.sum(_member(prev_sel, sel_now), axis=-1)
+    hits = jnp.sum(page_selection.member(prev_sel, sel_now), axis=-1)
     if self.speculative:
       sel_cur = jnp.where(correct[..., None], sel_now, prev_sel)
       wanted_now = jnp.where(correct[..., None], sel_now, -1)
     else:
       sel_cur = wanted_now = sel_now
-    fetch_a, slots_a, pool_ids_a = plan_recall(pool_ids, wanted_now, pooled_now, R)
+    fetch_a, slots_a, pool_ids_a = page_selection.plan_recall(pool_ids, wanted_now, pooled_now, R)
     fetch, new_ids, sel_next = fetch_a, pool_ids_a, sel_now
     if self.speculative:
       # The next step's selection: q_t over the pages complete after this step's eviction.
-      sel_next, (fetch_b, slots_b, new_ids) = select_and_plan(scores, c_now, pool_ids_a, n_sel=n, max_recall=R)
+      sel_next, (fetch_b, slots_b, new_ids) = page_selection.select_and_plan(scores, c_now, pool_ids_a, n_sel=n,
+                                                                             max_recall=R)
       fetch = jnp.concatenate([fetch_a, fetch_b], axis=-1)
 
     # The resident selected pages; then (below) the pages the callback recalls for a correction.
-    slots, counts = listed_slots(pool_ids, sel_cur)
+    slots, counts = page_selection.listed_slots(pool_ids, sel_cur)
     resident = ops.paged_partial_attention(q0, state.pool_k, state.pool_v, slots, counts, layer=layer,
                                            scale=cfg.attn_scale, implementation=self._paged_impl())
     recalled_count = jnp.sum(fetch_a >= 0, axis=-1).astype(jnp.int32)  # [B, H]

@@ -21,6 +21,8 @@ lo [B, Hkv, D], step [B, Hkv, D]); the functions here take one layer's.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -103,3 +105,62 @@ def scores(q, summary: tuple, *, scale: float, implementation: str = "xla"):
   if len(summary) == 2:
     return minmax_scores(q, *summary, scale=scale)
   return key_scores(q, *summary, scale=scale, implementation=implementation)
+
+
+# -- the prompt's summaries (freekv's finish_prefill / offload_layer) ------------------------
+
+
+def _stored_keys(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    sinks: int,
+    slots: int,  # num_pages * page_size
+):
+  """The keys in the store's page slots [B, Hkv, slots, D] (zero-padded past the capacity) and
+  which hold a stored key [B, 1, slots, 1]."""
+  need = sinks + slots
+  if need > k.shape[2]:
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, need - k.shape[2]), (0, 0)))
+  valid = (jnp.arange(slots)[None] < host_len[:, None])[:, None, :, None]
+  return k[:, :, sinks:need], valid
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages"))
+def prompt_minmax(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    *,
+    sinks: int,
+    page_size: int,
+    num_pages: int,
+):
+  """Per store page (min, max) of the stored keys: two [B, Hkv, num_pages, D]; (+inf, -inf) for
+  empty pages."""
+  B, H, _, D = k.shape
+  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
+  pages = stored.reshape(B, H, num_pages, page_size, D)
+  valid = valid.reshape(B, 1, num_pages, page_size, 1)
+  hi = jnp.max(jnp.where(valid, pages, -jnp.inf), axis=3)
+  lo = jnp.min(jnp.where(valid, pages, jnp.inf), axis=3)
+  some = jnp.any(valid, axis=3)
+  # An empty page's (min, max) is (+inf, -inf), so decode folds its first key in by min/max alone.
+  return jnp.where(some, lo, jnp.inf).astype(k.dtype), jnp.where(some, hi, -jnp.inf).astype(k.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sinks", "page_size", "num_pages", "bits"))
+def prompt_codes(
+    k,  # [B, Hkv, capacity, D]: one layer's dense prefill keys
+    host_len,  # [B] int32: store tokens of each sequence
+    *,
+    sinks: int,
+    page_size: int,
+    num_pages: int,
+    bits: int,
+):
+  """The stored keys quantized over their own per-channel range: (codes [B, Hkv, num_pages,
+  page_size, D // (8 // bits)] uint8, lo [B, Hkv, D], step [B, Hkv, D]); empty slots hold code 0."""
+  B, H = k.shape[:2]
+  stored, valid = _stored_keys(k, host_len, sinks, num_pages * page_size)
+  lo, step = key_range(stored, valid, bits)
+  codes = jnp.where(valid, quantize(stored, lo[:, :, None], step[:, :, None], bits), 0)
+  return codes.reshape(B, H, num_pages, page_size, -1), lo, step
