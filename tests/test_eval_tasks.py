@@ -228,6 +228,9 @@ def test_runner_records_on_random_tiny():
     assert r["generated_tokens"] == 4 and r["ms_per_token"] > 0
     json.dumps(r)  # records go to results files as they are
   assert [r["prefill_shared"] for r in records] == [False, True, True]
+  # The second member of the retrieval group decoded from a copy; the first decoded the prefilled context.
+  assert records[1]["copy_seconds"] == 0 and records[2]["copy_seconds"] > 0 and records[0]["copy_seconds"] == 0
+  assert all(r["decode_seconds"] >= r["ms_per_token"] * 1e-3 for r in records)
   assert records[2]["options"]["speculative"] and "correction_rate" in records[2]["policy_stats"]
   # A member decoded from a copy of the shared prefill decodes as from its own prefill.
   alone = kveval.run_sample(model, sample, specs[2:], max_new_tokens=4)[0]

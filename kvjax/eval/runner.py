@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -107,7 +108,8 @@ def _jsonable(value):
   return value
 
 
-def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared: bool) -> dict:
+def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared: bool, copy_seconds: float,
+            decode_seconds: float) -> dict:
   text = result.texts[0] if result.texts is not None else ""
   return _jsonable({
       "task": sample.task,
@@ -126,6 +128,8 @@ def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared:
       "ms_per_token": result.ms_per_token,
       "prefill_seconds": result.prefill_seconds,
       "prefill_shared": shared,
+      "copy_seconds": copy_seconds,
+      "decode_seconds": decode_seconds,
       "policy_stats": result.policy_stats,
   })
 
@@ -154,7 +158,9 @@ def run_sample(
   Returns:
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
     policy_name, options, score, answers, generated, generated_tokens, ms_per_token,
-    prefill_seconds, prefill_shared, policy_stats.
+    prefill_seconds, prefill_shared, copy_seconds (the in-memory copy of a shared prefill this
+    decode started from; 0 for the group's first member), decode_seconds (the whole decode call's
+    wall time), policy_stats.
   """
   if model.tokenizer is None:
     raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")
@@ -181,11 +187,16 @@ def run_sample(
     # (two contexts held at a time) with every decode option given explicitly (unset ones must
     # not inherit the first spec's), and the first member decodes the prefilled one last.
     for i in members[1:] + members[:1]:
-      member_context = context if i == members[0] else kvjax.copy_context(
-          context, model, policy_options=_decode_options(policies[i]))
+      copy_seconds, member_context = 0.0, context
+      if i != members[0]:
+        t0 = time.perf_counter()
+        member_context = kvjax.copy_context(context, model, policy_options=_decode_options(policies[i]))
+        copy_seconds = time.perf_counter() - t0
+      t1 = time.perf_counter()
       result = kvjax.decode(model, member_context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
                             stop_when=stop_when)
-      records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1) | {"early_stop": early_stop}
+      records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1, copy_seconds=copy_seconds,
+                           decode_seconds=time.perf_counter() - t1) | {"early_stop": early_stop}
   return records  # type: ignore[return-value]
 
 
