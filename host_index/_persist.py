@@ -59,6 +59,9 @@ def write(path, meta: dict, blobs) -> None:
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kvjx", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make the file unreadable to other users
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b"\0" * _PRE.size)
@@ -135,7 +138,7 @@ class Reader:
             doc = json.loads(header)
             self.meta = doc["meta"]
             self._blobs = {k: (int(o), int(n), int(c)) for k, (o, n, c) in doc["blobs"].items()}
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CorruptFileError(f"{self.path}: malformed header: {e}") from e
         for name, (o, n, _) in self._blobs.items():
             if o < _PRE.size or n < 0 or o + n > off:

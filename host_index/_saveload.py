@@ -88,6 +88,9 @@ def load_context(cls, path, expect_meta, max_bytes):
         try:
             st, cx = head["store"], head["context"]
             params = dict(cx["index_params"])
+            if cx["kind"] in ("graph", "roar"):
+                # files from before ef_insert inserted with the build's beam (ef_insert 0)
+                params.setdefault("ef_insert", 0)
             if cx["kind"] == "roar":
                 params.setdefault("n_cooc", 0)  # files written before roar had co-occurrence links
                 params.setdefault("n_hubs", 0)  # ... or hubs

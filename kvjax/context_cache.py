@@ -1,10 +1,10 @@
 """Saving, loading and copying prefilled contexts, so decode never waits for a second prefill.
 
-A saved context is a directory, written under a temporary name and renamed into place:
+A saved context is a directory, written under a temporary name, fsynced and renamed into place:
 
     manifest.json   format version, model identity, policy and options, prompt lengths,
                     capacity, the device count, the state's structure with each leaf's shape,
-                    dtype and crc32
+                    dtype and crc32, and the crc32 of the manifest itself
     state/          the policy state's device arrays and the prompts' last hidden states (orbax)
     host.bin        the host store and indexes (host_index persistence, itself checksummed)
 
@@ -21,6 +21,7 @@ differ from those the context was prefilled with; options that shape the state m
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -40,10 +41,11 @@ from kvjax.sharding import ShardedPolicy, join_state, replicated, split_state
 from models.tensor_parallel import local_config
 
 FORMAT = "kvjax-context"
-VERSION = 7  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
+VERSION = 8  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
 # pool_counts; 5: kcodes, klo, kstep; 6: retrieval per_step buffers of topk + sources * successors + tail_slots
 # rows (sources = successor_sources since ffdc098, topk before); 7: retrieval per_step rings of window + lag
-# tokens past the sinks, no recent_* ring
+# tokens past the sinks, no recent_* ring; 8: the manifest's own checksum (version 7 files, without it, still load)
+_READABLE_VERSIONS = (7, 8)
 _STATE_MODULE_PREFIX = "kvjax."  # state classes are only ever imported from kvjax itself
 
 
@@ -79,6 +81,33 @@ def _build_tree(desc, leaves: list):
   return cls(**{field: _build_tree(sub, leaves) for field, sub in desc["fields"].items()})
 
 
+def _manifest_crc(manifest: dict) -> int:
+  """crc32 of the manifest's canonical JSON, its own checksum left out."""
+  body = {k: v for k, v in manifest.items() if k != "crc32"}
+  return zlib.crc32(json.dumps(body, sort_keys=True, default=_json_default).encode()) & 0xFFFFFFFF
+
+
+def _fsync(path: pathlib.Path) -> None:
+  """Flushes a file's or a directory's entries to the disk (a rename is durable once its directory is)."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _check_replaceable(path: pathlib.Path) -> None:
+  """overwrite=True replaces a saved context, never another file or directory."""
+  found = None
+  if not path.is_symlink() and path.is_dir() and (path / "manifest.json").is_file():
+    try:
+      found = json.loads((path / "manifest.json").read_text()).get("format")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, OSError):
+      pass
+  if found != FORMAT:
+    raise ValueError(f"{str(path)!r} exists and is not a saved kvjax context: overwrite=True replaces only those")
+
+
 def _policy_options(policy) -> dict:
   return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy) if f.name != "name"}
 
@@ -89,15 +118,20 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
   Args:
     context: from kvjax.prefill().
     path: the directory to create.
-    overwrite: replace an existing saved context at `path`.
+    overwrite: replace an existing saved context at `path` (only a saved context: any other
+      file or directory there is refused); the old one stays in place until the new one is
+      written.
   """
   import orbax.checkpoint as ocp
 
   if context.spent or context.state is None:
     raise ValueError("this context was decoded already; save it before decoding")
   path = pathlib.Path(path)
-  if path.exists() and not overwrite:
-    raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")
+  if path.exists() or path.is_symlink():
+    if not overwrite:
+      raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")
+    _check_replaceable(path)
+  _check_metadata(context.metadata)
   policy, states = _per_device_states(context)
   arrays = {}
   for d, state in enumerate(states):
@@ -134,17 +168,51 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
       for host, name in zip(hosts, names):
         host.save(tmp / name, meta=manifest["model"])
       manifest["host"] = names[0] if len(hosts) == 1 else names
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, default=_json_default))
-    if path.exists():
-      old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-      os.replace(path, old)
-      os.replace(tmp, path)
-      shutil.rmtree(old)
-    else:
-      os.replace(tmp, path)
+    manifest["crc32"] = _manifest_crc(manifest)
+    with open(tmp / "manifest.json", "w") as f:
+      f.write(json.dumps(manifest, indent=1, default=_json_default))
+      f.flush()
+      os.fsync(f.fileno())
+    for directory in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:  # orbax does not fsync its files' entries
+      _fsync(directory)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  _replace(tmp, path)
+
+
+def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
+  """Moves the written directory `tmp` to `path`; an old context at `path` is kept until the new
+  one is in place, and put back if that fails."""
+  old = None
+  try:
+    if path.exists():
+      old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+      os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+  except BaseException:
+    if old is not None and not path.exists():
+      os.replace(old, path)
+      old = None
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  finally:
+    if old is not None and path.exists():
+      shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_metadata(metadata: dict) -> None:
+  """The metadata goes to the manifest as JSON: string keys and JSON values only, checked before any work."""
+  if not isinstance(metadata, dict):
+    raise TypeError(f"context metadata must be a dict, got {type(metadata).__name__}")
+  for key, value in metadata.items():
+    if not isinstance(key, str):
+      raise TypeError(f"context metadata key {key!r} is not a string (JSON keys are)")
+    try:
+      json.dumps(value, default=_json_default)
+    except (TypeError, ValueError) as e:
+      raise TypeError(f"context metadata {key!r} cannot be written as JSON: {e}") from None
 
 
 def _json_default(value):
@@ -162,9 +230,19 @@ def read_manifest(path: str | os.PathLike) -> dict:
     manifest = json.loads(manifest_file.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"{str(manifest_file)!r} is corrupt: {e}") from None
-  if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-    found = manifest.get("format") if isinstance(manifest, dict) else None
-    raise ValueError(f"{str(path)!r} holds format {found!r}, expected {FORMAT!r} version {VERSION}")
+  readable = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+  if not readable or manifest.get("version") not in _READABLE_VERSIONS:
+    found = (manifest.get("format"), manifest.get("version")) if isinstance(manifest, dict) else (None, None)
+    raise ValueError(f"{str(path)!r} holds format {found[0]!r} version {found[1]!r}, expected {FORMAT!r} version "
+                     f"{' or '.join(map(str, _READABLE_VERSIONS))}")
+  if manifest["version"] >= 8 and manifest.get("crc32") != _manifest_crc(manifest):
+    raise ValueError(f"{str(manifest_file)!r} is corrupt: its checksum does not match its content")
+  devices = manifest.get("devices", 1)
+  hosts = manifest.get("host")
+  names = [hosts] if isinstance(hosts, str) and devices == 1 else hosts
+  if hosts is not None and not (isinstance(names, list) and len(names) == devices and all(
+      isinstance(n, str) and n and n == pathlib.PurePath(n).name and n not in (".", "..") for n in names)):
+    raise ValueError(f"{str(manifest_file)!r} is corrupt: host files {hosts!r} are not {devices} plain file name(s)")
   return manifest
 
 
@@ -193,24 +271,24 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
                      f"{1 if mesh is None else mesh.size}: load it with a model sharded the same way")
   policy = _restore_policy(manifest["policy"], policy_options or {})
   restored = ocp.StandardCheckpointer().restore(path / "state")
-  arrays = {}
+  arrays = {}  # checked while still on the host, then placed on their own device only
   for key, spec in manifest["arrays"].items():
     if 0 in spec["shape"]:
-      array = jnp.zeros(spec["shape"], spec["dtype"])
+      array = np.zeros(spec["shape"], spec["dtype"])
     elif key in restored:
-      array = jnp.asarray(restored[key])
+      array = np.asarray(restored[key])
     else:
       raise ValueError(f"saved context {str(path)!r} lacks array {key!r}")
     if list(array.shape) != spec["shape"] or str(array.dtype) != spec["dtype"] or _crc32(array) != spec["crc32"]:
       raise ValueError(f"array {key!r} of {str(path)!r} does not match its manifest (shape, dtype or checksum)")
     arrays[key] = array
+  del restored
   hosts = manifest["host"] if isinstance(manifest["host"], list) else [manifest["host"]] * devices
   leaves, host_contexts = [], []
   for d, device in enumerate(_devices(mesh)):
     prefix = "" if devices == 1 else f"dev{d}_"
     count = sum(1 for key in arrays if key.startswith(prefix + "leaf_"))
-    leaves.append([arrays[f"{prefix}leaf_{i}"] if device is None else jax.device_put(arrays[f"{prefix}leaf_{i}"], device)
-                   for i in range(count)])
+    leaves.append([jax.device_put(arrays.pop(f"{prefix}leaf_{i}"), device) for i in range(count)])
     if hosts[d] is None:
       host_contexts.append(None)
     else:
@@ -219,7 +297,7 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
       host_contexts.append(host_index.HostContext.load(path / hosts[d], expect_meta=identity))
   return _assemble(model, policy, [_build_tree(manifest["structure"], x) for x in leaves], host_contexts,
                    identity=identity, prompt_lengths=list(manifest["prompt_lengths"]),
-                   capacity=int(manifest["capacity"]), last_hidden=arrays["last_hidden"],
+                   capacity=int(manifest["capacity"]), last_hidden=jnp.asarray(arrays["last_hidden"]),
                    prefill_seconds=float(manifest["prefill_seconds"]), metadata=dict(manifest.get("metadata") or {}))
 
 
@@ -252,7 +330,7 @@ def copy_context(context: PrefilledContext, model, *, policy_options: dict | Non
   return _assemble(model, new_policy, [jax.tree.map(fresh, state) for state in states], hosts, identity=identity,
                    prompt_lengths=list(context.prompt_lengths), capacity=context.capacity,
                    last_hidden=fresh(context.last_hidden), prefill_seconds=context.prefill_seconds,
-                   metadata=dict(context.metadata))
+                   metadata=copy.deepcopy(context.metadata))
 
 
 def _devices(mesh) -> list:
@@ -266,12 +344,19 @@ def _assemble(model, policy, states, hosts, *, identity, prompt_lengths, capacit
   mesh = getattr(model, "mesh", None)
   cfg = model.cfg if mesh is None else local_config(model.cfg, len(states))
   attached = []
-  for state, host, device in zip(states, hosts, _devices(mesh)):
-    with jax.default_device(device):  # each device's share (and its runtime's work) on that device
+  try:
+    for state, host, device in zip(states, hosts, _devices(mesh)):
+      with jax.default_device(device):  # each device's share (and its runtime's work) on that device
+        if host is not None:
+          state = policy.attach_host(cfg, state, host)
+        attached.append(state)
+        if host is not None:
+          policy.reserve_decode_room(cfg, host, capacity)  # not saved: room, not data
+  except BaseException:
+    for state, host in zip(attached, hosts):
       if host is not None:
-        state = policy.attach_host(cfg, state, host)
-        policy.reserve_decode_room(cfg, host, capacity)  # not saved: room, not data
-    attached.append(state)
+        policy.release_fn(state)()  # no runtime (nor its host memory) outlives a failed load or copy
+    raise
   if mesh is None:
     state = attached[0]
   else:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 
 import numpy as np
 
@@ -194,6 +195,15 @@ def default_background_threads() -> int:
   return max(1, available_cores() // 2)
 
 
+def warn_failed(futures, what: str) -> None:
+  """A background job that failed after the last step has no step left to raise its error: it
+  is reported as a warning when its runtime closes (close may run while another error unwinds)."""
+  for future in futures:
+    if future is not None and future.done() and not future.cancelled() and future.exception() is not None:
+      warnings.warn(f"a host {what} job failed after the last decode step: {future.exception()!r}", RuntimeWarning,
+                    stacklevel=3)
+
+
 class HostRuntime:
   """One run's host context, retrieval settings and error log.
 
@@ -235,6 +245,7 @@ class HostRuntime:
     # Queued jobs still run: one may index tokens already stored, and cancelling it left the
     # index behind its store (seen once the thread ran at background_nice and started late).
     self._executor.shutdown(wait=True)
+    warn_failed(self._pending.values(), "indexing or search")
 
   def raise_errors(self) -> None:
     if self.errors:
@@ -350,21 +361,20 @@ class HostRuntime:
     previous = self._previous_query.get(layer)
     if previous is None or background is None:
       ids, scanned = self._search(layer, queries)
+      self._count_scanned(scanned)
       correct = np.ones((B, Hkv), bool)
     else:
       ids, scanned = background  # ids of the previous query: the speculative selection
+      self._count_scanned(scanned)  # that search (every head, on the background thread)
       self._score_reuse(layer, ids)
       correct = group_mean_cosine(queries, previous, Hkv) < self.tau  # [B, Hkv]
       if correct.any():
         heads = np.repeat(correct, Hq // Hkv, axis=1)  # [B, Hq]
         fresh, fresh_scanned = self._search(layer, queries, heads=heads)
         ids = np.where(heads[..., None], fresh, ids)
-        scanned = np.where(heads, fresh_scanned, 0)
-      else:
-        scanned = np.zeros_like(scanned)
+        self._count_scanned(fresh_scanned[heads])  # and the corrections' own searches
     self.stats.corrected_groups += int(correct.sum())
     self.stats.speculated_groups += int((~correct).sum())
-    self._count_scanned(scanned)
     o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))
     self._used_ids[layer] = ids
     self._previous_query[layer] = queries.copy()

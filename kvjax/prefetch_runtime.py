@@ -49,7 +49,7 @@ import numpy as np
 
 import host_index
 from kvjax.host_runtime import (HostRuntime, available_cores, background_worker, default_reserved_cores,
-                                exchange_nice, group_mean_cosine, reuse_hits, worker_cores)
+                                exchange_nice, group_mean_cosine, reuse_hits, warn_failed, worker_cores)
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -192,6 +192,7 @@ class PrefetchRuntime(HostRuntime):
 
   def close(self) -> None:
     self._prefetcher.shutdown(wait=True, cancel_futures=True)
+    warn_failed([self._next], "prefetch")
     super().close()
 
   def start_prefetch(self, to_device, *step_args) -> None:
@@ -213,9 +214,12 @@ class PrefetchRuntime(HostRuntime):
 
   def settle(self) -> None:
     """Waits for the pending prefetch (if any, keeping its result for `take_prefetched`), so
-    counters read now do not depend on thread timing."""
+    counters read now do not depend on thread timing; raises its failure (outside any jitted
+    program), whose counters would be partial."""
     if self._next is not None:
       concurrent.futures.wait([self._next])
+      if self._next.exception() is not None:
+        raise RuntimeError("the host prefetch failed") from self._next.exception()
 
   def repeat_selection(self) -> None:
     """Records that the next step reuses the latest selection (lag 2, first step after prefill)."""

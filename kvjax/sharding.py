@@ -288,6 +288,25 @@ class ShardedPolicy(AttentionPolicy):
     local = self.local_cfg(cfg)
     return join_state(self._per_device(lambda s: self.inner.after_step(local, s), state), self.mesh)
 
+  @property
+  def repeats_steps(self) -> bool:
+    return self.inner.repeats_steps
+
+  def repeat_step(self, cfg, before, after):
+    """The inner policy's repeat_step on each device's share (retrieval per_step lag 0: each
+    device's runtime stores, searches and gathers its own heads); the state of the second pass,
+    or None when no device's rows changed. A device whose rows did not change runs the second
+    pass on its unchanged state, which gives its first pass's result again."""
+    local = self.local_cfg(cfg)
+    befores = split_state(before, self.mesh)  # split once: a device's repeat_step donates its own share
+    again = []
+    for device, b, a in zip(self.mesh.devices.flat, befores, split_state(after, self.mesh)):
+      with jax.default_device(device):
+        again.append(self.inner.repeat_step(local, b, a))
+    if all(s is None for s in again):
+      return None
+    return join_state([b if s is None else s for s, b in zip(again, befores)], self.mesh)
+
   def stats(self, state) -> dict:
     """Integer counters summed over devices, other numbers averaged; per device under "devices"."""
     per_device = self._per_device(self.inner.stats, state)

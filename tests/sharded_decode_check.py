@@ -63,6 +63,9 @@ CASES = {
     # lag 2 runs it on a background thread, which must copy each update to its own device.
     "retrieval_per_step_lag2": (dict(), dict(policy="retrieval", policy_options=dict(
         index="roar", topk=6, bridge="per_step", lag=2, **SMALL))),
+    # lag 0: each step runs twice, the exchange between the passes per device (repeat_step)
+    "retrieval_per_step_lag0": (dict(), dict(policy="retrieval", policy_options=dict(
+        index="roar", topk=6, bridge="per_step", lag=0, **SMALL))),
     # vocab 96: the untied lm_head is vocabulary-sharded (logits gathered by XLA outside shard_map)
     "freekv": (dict(vocab_size=96), dict(policy="freekv", policy_options=dict(
         budget=12, page_size=2, sinks=2, window=4, dense_layers=(), speculative=True, tau=0.5))),

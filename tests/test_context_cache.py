@@ -97,6 +97,105 @@ def test_corruption_is_detected(tmp_path):
     kvjax.load_context(tmp_path / "nothing", model)
 
 
+def test_overwrite_replaces_only_a_saved_context_and_keeps_the_old_one_until_the_new_is_in(tmp_path, monkeypatch):
+  import os
+
+  from kvjax import context_cache
+
+  model = tiny_model("llama")
+  new = lambda: kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16)
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "keep.txt").write_text("x")
+  (tmp_path / "file").write_text("x")
+  for target in ("data", "file"):
+    with pytest.raises(ValueError, match="not a saved kvjax context"):
+      kvjax.save_context(new(), tmp_path / target, overwrite=True)
+  assert (tmp_path / "data" / "keep.txt").read_text() == "x" and (tmp_path / "file").read_text() == "x"
+
+  kvjax.save_context(new(), tmp_path / "ctx")
+  before = (tmp_path / "ctx" / "manifest.json").read_text()
+  real_replace = os.replace
+
+  def failing_move(src, dst):  # the new directory cannot be moved in
+    if ".tmp-" in str(src):
+      raise OSError("disk gone")
+    return real_replace(src, dst)
+
+  monkeypatch.setattr(context_cache.os, "replace", failing_move)
+  with pytest.raises(OSError, match="disk gone"):
+    kvjax.save_context(new(), tmp_path / "ctx", overwrite=True)
+  monkeypatch.undo()
+  assert (tmp_path / "ctx" / "manifest.json").read_text() == before  # the old context is back in place
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx", "data", "file"]  # nothing half-written left
+
+  context = new()
+  context.metadata["prompt"] = "two random prompts"
+  kvjax.save_context(context, tmp_path / "ctx", overwrite=True)
+  assert kvjax.load_context(tmp_path / "ctx", model).metadata == {"prompt": "two random prompts"}
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx", "data", "file"]
+
+
+def test_metadata_that_json_cannot_hold_is_refused_before_any_work(tmp_path):
+  model = tiny_model("llama")
+  context = kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16)
+  context.metadata["steps"] = np.int64(3)
+  with pytest.raises(TypeError, match="'steps'"):
+    kvjax.save_context(context, tmp_path / "ctx")
+  context.metadata.pop("steps")
+  context.metadata[7] = "x"
+  with pytest.raises(TypeError, match="7"):
+    kvjax.save_context(context, tmp_path / "ctx")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_is_checksummed_and_version_7_files_still_load(tmp_path):
+  model = tiny_model("llama")
+  options = dict(index="flat", topk=6, **SMALL)
+  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval", policy_options=options,
+                          prefill_chunk=16)
+  kvjax.save_context(context, tmp_path / "ctx")
+  context.close()
+  manifest_file = tmp_path / "ctx" / "manifest.json"
+  manifest = json.loads(manifest_file.read_text())
+  expected = kvjax.decode(model, kvjax.load_context(tmp_path / "ctx", model), max_new_tokens=12).tokens
+  manifest_file.write_text(json.dumps(manifest | {"capacity": manifest["capacity"] + 1}))
+  with pytest.raises(ValueError, match="corrupt"):
+    kvjax.load_context(tmp_path / "ctx", model)
+  old = {k: v for k, v in manifest.items() if k != "crc32"} | {"version": 7}  # written before the checksum
+  manifest_file.write_text(json.dumps(old))
+  assert kvjax.decode(model, kvjax.load_context(tmp_path / "ctx", model), max_new_tokens=12).tokens == expected
+  manifest_file.write_text(json.dumps(old | {"host": "../host.bin"}))
+  with pytest.raises(ValueError, match="plain file name"):
+    kvjax.load_context(tmp_path / "ctx", model)
+  manifest_file.write_text(json.dumps(old | {"version": 6}))
+  with pytest.raises(ValueError, match="version 6"):
+    kvjax.load_context(tmp_path / "ctx", model)
+
+
+def test_a_failed_load_leaves_no_runtime_behind(tmp_path, monkeypatch):
+  from kvjax import host_runtime
+  from kvjax.policies import retrieval
+
+  model = tiny_model("llama")
+  options = dict(index="roar", topk=6, bridge="per_step", **SMALL)
+  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval", policy_options=options,
+                          prefill_chunk=16)
+  kvjax.save_context(context, tmp_path / "ctx")
+  context.close()
+  before = set(host_runtime._RUNTIMES)
+
+  def no_room(*args, **kwargs):
+    raise MemoryError("no room")
+
+  monkeypatch.setattr(retrieval.RetrievalAttention, "reserve_decode_room", no_room)
+  with pytest.raises(MemoryError):
+    kvjax.load_context(tmp_path / "ctx", model)
+  monkeypatch.setattr(retrieval.RetrievalAttention, "_first_rows", no_room)  # fails inside attach_host
+  with pytest.raises(MemoryError):
+    kvjax.load_context(tmp_path / "ctx", model)
+  assert set(host_runtime._RUNTIMES) == before
+
+
 @pytest.mark.parametrize("policy, options", CASES + [
     ("retrieval", dict(index="roar", topk=6, bridge="per_step", lag=2, speculative=True, pinned=2, pinned_window=3,
                        **SMALL))])

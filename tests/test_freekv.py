@@ -219,6 +219,7 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(page_summary="keys3"), "page_summary='keys3'"),
     (dict(reserved_cores=1), "reserved_cores=1"),
     (dict(bridge="per_step", lag=2, reserved_cores=-1), "reserved_cores=-1"),
+    (dict(bridge="per_step", lag=2, reserved_cores=100_000), "reserved_cores=100000 leaves no core"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):

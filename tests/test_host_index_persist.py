@@ -24,6 +24,31 @@ def make_ctx(kind, dtype="float16"):
     return ctx
 
 
+def test_file_mode_follows_the_umask(tmp_path):
+    """mkstemp makes 0600 files; a saved context must be readable as any file the user writes."""
+    path = tmp_path / "ctx.kvjx"
+    make_ctx("flat").save(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_files_from_before_ef_insert_keep_inserting_with_the_build_beam(tmp_path):
+    """Roar files written before ef_insert existed have no such parameter: they inserted with
+    ef 0 (the build's beam L), not today's default of 64."""
+    from host_index import _persist
+
+    path = tmp_path / "ctx.kvjx"
+    make_ctx("roar").save(path)
+    with _persist.Reader(path) as rd:
+        head = dict(rd.meta)
+        blobs = [(name, [rd.read(name)]) for name in rd.names()]
+    head["context"] = dict(head["context"])
+    head["context"]["index_params"] = {k: v for k, v in head["context"]["index_params"].items() if k != "ef_insert"}
+    _persist.write(path, head, iter(blobs))
+    assert hi.HostContext.load(path).index_params["ef_insert"] == 0
+
+
 @pytest.mark.parametrize("kind", ["flat", "ivf", "graph", "roar"])
 def test_context_round_trip(tmp_path, kind):
     ctx = make_ctx(kind, dtype="bfloat16" if kind == "graph" else "float16")

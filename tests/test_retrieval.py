@@ -152,6 +152,23 @@ def test_speculative_small_topk_reports_rates():
   assert stats["callbacks"] == (STEPS - 1) * model.cfg.num_layers
 
 
+@pytest.mark.parametrize("tau", [0.0, 1.0])
+def test_speculative_counts_every_search_it_makes(tau):
+  """Per layer and step: the background search made with the previous query (every head) and
+  each corrected group's own search; a layer's first step searches once, synchronously, and
+  counts every group as corrected. (Before, a step without corrections counted its heads as
+  searched with 0 keys scanned, and the background searches' scans were dropped.)"""
+  model = tiny_model("llama")
+  spec = run(model, random_prompt(60, seed=4), index="flat", topk=4, speculative=True, tau=tau, **SMALL)
+  stats, cfg = spec.policy_stats, model.cfg
+  group = cfg.num_heads // cfg.num_kv_heads  # batch 1
+  first_step_groups = cfg.num_layers * cfg.num_kv_heads
+  later_corrections = stats["corrected_groups"] - first_step_groups
+  assert (later_corrections == stats["callbacks"] * cfg.num_kv_heads - first_step_groups) == (tau == 1.0)
+  assert stats["searched_heads"] == stats["callbacks"] * cfg.num_heads + later_corrections * group
+  assert stats["scanned"] >= stats["searched_heads"] * 4  # a flat search scans every stored key (>= topk)
+
+
 def test_speculative_is_deterministic():
   # The background search of a layer finishes before that layer's next insert, so its result
   # does not depend on thread timing: two runs agree exactly.
@@ -234,6 +251,8 @@ def test_worker_threads_stay_off_the_reserved_cores():
   assert host_runtime.worker_cores(1) == frozenset(allowed[1:])
   with pytest.raises(ValueError, match=f"reserved_cores={len(allowed)}"):
     host_runtime.worker_cores(len(allowed))
+  with pytest.raises(ValueError, match=f"reserved_cores={len(allowed)}"):  # at the policy, before any work
+    make_policy("retrieval", bridge="per_step", reserved_cores=len(allowed))
   assert host_runtime.default_reserved_cores(16) == 0 == host_runtime.default_reserved_cores(4)
   context = host_index.HostContext(1, 1, 2, 1, 4, kind="flat")
   runtime = prefetch_runtime.PrefetchRuntime(context, tail_slots=2, sinks=0, window=1, topk=2, ef=None,

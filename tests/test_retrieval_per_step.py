@@ -246,6 +246,24 @@ def test_pinned_spans_of_the_pinning_query_stay_in_every_selection():
     runtime.close()
 
 
+def test_a_failed_last_prefetch_is_raised_by_settle_and_warned_at_close():
+  """The prefetch started after a decode's last step serves no step, so no take_prefetched
+  raises its failure: reading the counters (settle) does, and closing warns of it."""
+  rng = np.random.default_rng(3)
+  keys, values = rng.standard_normal((2, 1, 1, 20, 8), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=4)
+
+  def broken_copy(update):
+    raise OSError("device gone")
+
+  zeros = (*np.zeros((2, 1, 1, 1, 8), np.float32), np.zeros((1, 1, 2, 8), np.float32), np.array([[-1]]))
+  runtime.start_prefetch(broken_copy, [0], rng.standard_normal((1, 1, 2, 8), dtype=np.float32), *zeros)
+  with pytest.raises(RuntimeError, match="prefetch failed"):
+    runtime.settle()
+  with pytest.warns(RuntimeWarning, match="device gone"):
+    runtime.close()
+
+
 def test_a_window_of_queries_pins_the_ids_they_attend_most_together():
   """W > 1: the union of the W searches (here every stored key) ranked by the W queries'
   summed softmax, each over those keys and its device keys (log-sum-exp given); an absent
@@ -271,9 +289,10 @@ def test_a_window_of_queries_pins_the_ids_they_attend_most_together():
 @pytest.mark.parametrize("lengths", [(12,), (5,), (12, 4)])
 def test_prompt_window_reads_the_last_queries_and_their_device_keys(lengths):
   """prompt_window against NumPy: the ring (sinks, then slot (pos - sinks) % R) filled from a
-  known prompt; each window query's log-sum-exp over the held keys at or before it."""
+  known prompt; each window query's log-sum-exp over the sinks and the window's keys at or before
+  it (the ring's older keys, R - window of them, are in the host store)."""
   rng = np.random.default_rng(len(lengths) + lengths[0])
-  L, Hq, Hkv, D, S, R, W = 2, 4, 2, 8, 2, 5, 3
+  L, Hq, Hkv, D, S, R, W, window = 2, 4, 2, 8, 2, 5, 3, 3
   B = len(lengths)
   ring_q = np.zeros((L, B, Hq, R, D), np.float32)
   ring_k = np.zeros((L, B, Hkv, S + R, D), np.float32)
@@ -286,9 +305,9 @@ def test_prompt_window_reads_the_last_queries_and_their_device_keys(lengths):
       if p >= S:
         ring_q[:, b, :, (p - S) % R] = Q[b, :, :, p]
   q, lse, valid = prompt_window(jnp.asarray(ring_q), jnp.asarray(ring_k), jnp.asarray(lengths, jnp.int32),
-                                sinks=S, size=W, scale=0.5)
+                                sinks=S, window=window, size=W, scale=0.5)
   for b, n in enumerate(lengths):
-    held = [p for p in range(n) if p < S or p >= max(S, n - R)]
+    held = [p for p in range(n) if p < S or p >= max(S, n - window)]
     for w in range(W):
       pos = n - W + w
       assert bool(valid[b, w]) == (pos >= S)

@@ -31,8 +31,8 @@ TOL = 1e-4  # float32 logits; sharding changes only the order of the psum's addi
 # per device); freekv (speculative, and per_step lag 2: after_layers inside shard_map) on Llama
 # shapes. Mostly compilation (272 s of CI with 7 sharded runs), so each case runs on one device
 # count: full on 4, the rest on 2; the head split is the same code for every policy.
-CASES = ["full_qwen2_fused_unrolled:4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2", "freekv:2",
-         "freekv_per_step_lag2_keys2_int8:2"]
+CASES = ["full_qwen2_fused_unrolled:4", "retrieval_gemma3_fused:2", "retrieval_per_step_lag2:2",
+         "retrieval_per_step_lag0:2", "freekv:2", "freekv_per_step_lag2_keys2_int8:2"]
 SAVED = "saved:2"  # a sharded context saved and loaded, and copied (sharded_decode_check.run_saved)
 
 
@@ -63,8 +63,8 @@ def test_sharded_decode_equals_unsharded(sharded_rows):
 def test_one_host_exchange_per_layer_or_step_per_device(sharded_rows):
   sharded_rows = _decode_rows(sharded_rows)
   host_backed = [r for r in sharded_rows if r["ref_callbacks"] is not None]
-  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2", "freekv",
-                                              "freekv_per_step_lag2_keys2_int8"}
+  assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2",
+                                              "retrieval_per_step_lag0", "freekv", "freekv_per_step_lag2_keys2_int8"}
   for row in host_backed:
     assert row["callbacks"] == row["devices"] * row["ref_callbacks"], row
 

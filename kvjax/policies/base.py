@@ -238,7 +238,15 @@ class HostBackedMixin:
 
   def attach_host(self, cfg: ModelConfig, state, context):
     runtime = self.new_runtime(cfg, context)
-    return state.replace(runtime_id=jnp.int32(runtime.id), status=jnp.int32(0))
+    try:
+      return self.prepare_attached(cfg, state.replace(runtime_id=jnp.int32(runtime.id), status=jnp.int32(0)))
+    except BaseException:
+      runtime.close()  # a failed load or copy leaves no runtime (nor its host memory) registered
+      raise
+
+  def prepare_attached(self, cfg: ModelConfig, state):
+    """What a loaded or copied state needs once its new runtime exists (default: nothing)."""
+    return state
 
   # Host-backed policies can stage their prefill (`init_state(..., staged=True)`): the device
   # holds one sparse layer's prompt at a time and `offload_layer` moves it to the host before

@@ -320,6 +320,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     host_runtime.check_background_nice(self.background_nice)
     if self.reserved_cores is not None and (self.lag != 2 or self.reserved_cores < 0):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to lag=2")
+    if self.reserved_cores:  # this machine must keep a core for the workers: refused before any work
+      host_runtime.worker_cores(self.reserved_cores)
 
   @property
   def n_sel(self) -> int:
@@ -566,11 +568,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.stats = freekv_host.FreeKVStats()  # the priming exchanges belong to the prefill
     return state
 
-  def attach_host(self, cfg, state: FreeKVState, context) -> FreeKVState:
-    """A loaded context's runtime. With lag 2 it regathers the second priming exchange (its
+  def prepare_attached(self, cfg, state: FreeKVState) -> FreeKVState:
+    """A loaded context's new runtime: with lag 2 it regathers the second priming exchange (its
     rows are in the saved state), which a fresh runtime lacks and the first step's
     `after_step` lands."""
-    state = super().attach_host(cfg, state, context)
     if self.bridge == "per_step" and self.lag == 2:
       runtime = self.runtime(state)
       runtime.pending = _done(self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices()))))

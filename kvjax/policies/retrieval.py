@@ -279,7 +279,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: int | None = None
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
-  # selects the first step's rows again (attach_host), into buffers of the new size where these changed.
+  # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice",
                     "index_threads", "reserved_cores")
@@ -306,6 +306,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
       raise ValueError(f"lag={self.lag} applies to bridge='per_step'")
+    if self.reserved_cores:  # this machine must keep a core for the workers: refused before any work
+      host_runtime.worker_cores(self.reserved_cores)
     if self.successors is None:  # lag 2's selection is two positions (or more) behind a copying head
       object.__setattr__(self, "successors", 2 * self.lag if self.bridge == "per_step" else 0)
     if self.successors < 0:
@@ -424,8 +426,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               index_after_gather=self.lag < 2, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
-  def attach_host(self, cfg, state: RetrievalState, context):
-    state = super().attach_host(cfg, state, context)
+  def prepare_attached(self, cfg, state: RetrievalState) -> RetrievalState:
     if self.bridge != "per_step":
       return state
     # A context is saved right after its prefill, so the first step's rows are selected again as
@@ -704,8 +705,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return self._prompt_window(cfg, state, 1)[0][:, :, :, 0]
 
   def _prompt_window(self, cfg, state: RetrievalState, size: int):
-    return prompt_window(state.ring_q, state.ring_k, state.prompt_lengths, sinks=self.sinks, size=size,
-                         scale=cfg.attn_scale)
+    return prompt_window(state.ring_q, state.ring_k, state.prompt_lengths, sinks=self.sinks, window=self.window,
+                         size=size, scale=cfg.attn_scale)
 
   def _pin(self, cfg, state: RetrievalState) -> None:
     if not self.pinned_per_head:
@@ -724,20 +725,24 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return self._warm_scatter(state)
 
 
-@functools.partial(jax.jit, static_argnames=("sinks", "size", "scale"))
+@functools.partial(jax.jit, static_argnames=("sinks", "window", "size", "scale"))
 def prompt_window(
     ring_q,  # [L, B, Hq, R, D] queries of the ring's non-sink tokens (slot (pos - sinks) % R)
     ring_k,  # [L, B, Hkv, sinks + R, D] the sinks, then the ring's keys
     prompt_lengths,  # [B] int32
     *,
     sinks: int,
+    window: int,
     size: int,
     scale: float,
 ):
   """After a prefill: the prompt's last `size` queries, oldest first -> (q [L, B, Hq, size, D]
   f32, lse [L, B, Hq, size] f32: each one's log-sum-exp over the device keys it attends (the
-  sinks and the ring's keys at or before its position), valid [B, size]: the query exists (its
-  position lies past the sinks))."""
+  sinks and the window's keys at or before its position), valid [B, size]: the query exists (its
+  position lies past the sinks)).
+
+  The ring holds R >= window positions; those before the window (lag positions) are in the host
+  store too, where the searches find them, so they are left out here: counted once."""
   L, B, Hq, R, D = ring_q.shape
   group = Hq // ring_k.shape[2]
   n = prompt_lengths[:, None]  # [B, 1]
@@ -748,7 +753,8 @@ def prompt_window(
   back = n - 1 - sinks - jnp.arange(R)  # ring slot j holds the latest prompt position p < n, p = sinks + j (mod R)
   k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(sinks), (B, sinks)), sinks + jnp.arange(R) + R * (back // R)],
                           axis=1)  # [B, sinks + R]
-  k_held = jnp.concatenate([jnp.arange(sinks) < n, back >= 0], axis=1)
+  in_window = (back >= 0) & (k_pos[:, sinks:] >= n - window)  # older ring keys are in the store
+  k_held = jnp.concatenate([jnp.arange(sinks) < n, in_window], axis=1)
   seen = k_held[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, size, sinks + R]
   k = jnp.repeat(ring_k, group, axis=2).astype(jnp.float32)  # [L, B, Hq, sinks + R, D]
   scores = scale * jnp.einsum("lbhwd,lbhkd->lbhwk", q, k, precision=jax.lax.Precision.HIGHEST)
