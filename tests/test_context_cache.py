@@ -24,15 +24,20 @@ def prompts():
   return [random_prompt(41, seed=1), random_prompt(29, seed=2)]
 
 
+def save_prefilled(path, model, options, *, max_new_tokens=12, policy="retrieval"):
+  """Prefills prompts() under `policy`, saves the context at `path` and closes it."""
+  context = kvjax.prefill(model, prompts(), max_new_tokens=max_new_tokens, policy=policy, policy_options=options,
+                          prefill_chunk=16)
+  kvjax.save_context(context, path)
+  context.close()
+
+
 @pytest.mark.parametrize("policy, options", CASES)
 def test_loaded_context_decodes_token_for_token(tmp_path, policy, options):
   model = tiny_model("llama")
   direct = kvjax.generate(model, prompts(), max_new_tokens=20, policy=policy, policy_options=options,
                           prefill_chunk=16, return_logits=True)
-  context = kvjax.prefill(model, prompts(), max_new_tokens=20, policy=policy, policy_options=options,
-                          prefill_chunk=16)
-  kvjax.save_context(context, tmp_path / "ctx")
-  context.close()
+  save_prefilled(tmp_path / "ctx", model, options, max_new_tokens=20, policy=policy)
   loaded = kvjax.load_context(tmp_path / "ctx", model)
   result = kvjax.decode(model, loaded, max_new_tokens=20, return_logits=True)
   assert result.tokens == direct.tokens
@@ -41,11 +46,7 @@ def test_loaded_context_decodes_token_for_token(tmp_path, policy, options):
 
 def test_decode_options_may_change_but_layout_options_may_not(tmp_path):
   model = tiny_model("llama")
-  options = dict(index="flat", topk=6, **SMALL)
-  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval", policy_options=options,
-                          prefill_chunk=16)
-  kvjax.save_context(context, tmp_path / "ctx")
-  context.close()
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", topk=6, **SMALL))
   plain = kvjax.decode(model, kvjax.load_context(tmp_path / "ctx", model), max_new_tokens=12, return_logits=True)
   spec = kvjax.decode(model, kvjax.load_context(tmp_path / "ctx", model,
                                                 policy_options=dict(speculative=True, tau=1.0)),
@@ -73,10 +74,7 @@ def test_refuses_another_model_and_a_spent_context(tmp_path):
 
 def test_corruption_is_detected(tmp_path):
   model = tiny_model("llama")
-  context = kvjax.prefill(model, prompts(), max_new_tokens=8, policy="retrieval",
-                          policy_options=dict(index="flat", **SMALL), prefill_chunk=16)
-  kvjax.save_context(context, tmp_path / "ctx")
-  context.close()
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", **SMALL), max_new_tokens=8)
   manifest = json.loads((tmp_path / "ctx" / "manifest.json").read_text())
   manifest["arrays"]["leaf_0"]["crc32"] ^= 1
   (tmp_path / "ctx" / "manifest.json").write_text(json.dumps(manifest))
@@ -150,11 +148,7 @@ def test_metadata_that_json_cannot_hold_is_refused_before_any_work(tmp_path):
 
 def test_the_manifest_is_checksummed_and_version_7_files_still_load(tmp_path):
   model = tiny_model("llama")
-  options = dict(index="flat", topk=6, **SMALL)
-  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval", policy_options=options,
-                          prefill_chunk=16)
-  kvjax.save_context(context, tmp_path / "ctx")
-  context.close()
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", topk=6, **SMALL))
   manifest_file = tmp_path / "ctx" / "manifest.json"
   manifest = json.loads(manifest_file.read_text())
   expected = kvjax.decode(model, kvjax.load_context(tmp_path / "ctx", model), max_new_tokens=12).tokens
@@ -177,11 +171,7 @@ def test_a_failed_load_leaves_no_runtime_behind(tmp_path, monkeypatch):
   from kvjax.policies import retrieval
 
   model = tiny_model("llama")
-  options = dict(index="roar", topk=6, bridge="per_step", **SMALL)
-  context = kvjax.prefill(model, prompts(), max_new_tokens=12, policy="retrieval", policy_options=options,
-                          prefill_chunk=16)
-  kvjax.save_context(context, tmp_path / "ctx")
-  context.close()
+  save_prefilled(tmp_path / "ctx", model, dict(index="roar", topk=6, bridge="per_step", **SMALL))
   before = set(host_runtime._RUNTIMES)
 
   def no_room(*args, **kwargs):
