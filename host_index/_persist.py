@@ -52,7 +52,8 @@ def write(path, meta: dict, blobs) -> None:
 
     Args:
         path: destination file.
-        meta: JSON-serializable dict.
+        meta: JSON-serializable dict, serialized after the last blob (a blob generator may
+            still fill it).
         blobs: iterable of (name, parts); parts is a list of C-contiguous
             arrays or bytes written back to back as one blob.
     """

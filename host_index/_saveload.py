@@ -65,21 +65,25 @@ def load_store(cls, path, expect_meta, max_bytes):
 
 def save_context(ctx, path, meta: dict) -> None:
     indexes = {}
-    blobs = list(_store_blobs(ctx.store))
-    for s in range(ctx.num_seqs):
-        for l in range(ctx.num_layers):
-            for h, ix in enumerate(ctx._ix[s][l]):
-                st = ix._c.export()
-                key = f"{s}/{l}/{h}"
-                indexes[key] = {"n": st["n"], "entry": st["entry"], "nlist": st["nlist"]}
-                for part in INDEX_PARTS:
-                    blobs.append((f"ix/{key}/{part}", [st[part]]))
+
+    def blobs():  # one index exported at a time (all at once held every index twice: GBs at 128K)
+        yield from _store_blobs(ctx.store)
+        for s in range(ctx.num_seqs):
+            for l in range(ctx.num_layers):
+                for h, ix in enumerate(ctx._ix[s][l]):
+                    st = ix._c.export()
+                    key = f"{s}/{l}/{h}"
+                    indexes[key] = {"n": st["n"], "entry": st["entry"], "nlist": st["nlist"]}
+                    for part in INDEX_PARTS:
+                        yield f"ix/{key}/{part}", [st[part]]
+
+    # `indexes` fills as the blobs stream out: _persist.write writes the header after them.
     head = {"format": CONTEXT_FORMAT, "store": _store_meta(ctx.store),
             "context": {"num_q_heads": ctx.num_q_heads, "kind": ctx.kind,
                         "index_params": ctx.index_params, "seed": ctx.seed,
                         "roar_heads": ctx.roar_heads},
             "indexes": indexes, "user": meta}
-    _persist.write(path, head, iter(blobs))
+    _persist.write(path, head, blobs())
 
 
 def load_context(cls, path, expect_meta, max_bytes):
