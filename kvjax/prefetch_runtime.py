@@ -215,11 +215,13 @@ class PrefetchRuntime(HostRuntime):
   def settle(self) -> None:
     """Waits for the pending prefetch (if any, keeping its result for `take_prefetched`), so
     counters read now do not depend on thread timing; raises its failure (outside any jitted
-    program), whose counters would be partial."""
+    program), whose counters would be partial. Also waits for the indexing queued by the last
+    exchange, so sizes read now (the index bytes) are not read while it inserts."""
     if self._next is not None:
-      concurrent.futures.wait([self._next])
-      if self._next.exception() is not None:
-        raise RuntimeError("the host prefetch failed") from self._next.exception()
+      concurrent.futures.wait([self._next])  # it may queue indexing: waited for next
+    concurrent.futures.wait(list(self._pending.values()))
+    if self._next is not None and self._next.exception() is not None:
+      raise RuntimeError("the host prefetch failed") from self._next.exception()
 
   def repeat_selection(self) -> None:
     """Records that the next step reuses the latest selection (lag 2, first step after prefill)."""
