@@ -76,7 +76,8 @@ def write(model, rows, lengths, budgets, seeds, *, xla_note: str, partial: str) 
   summary = eval_common.summarize(rows, ("length", "family", "budget"))
   skipped = [f"{f}@{b}" for f in FLAGS.families for b in budgets if kvbudgets.budget_options(f, b) is None]
   notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); {len(seeds)} sample(s) per point (seeds "
-           f"{eval_common.seed_text(seeds)}), the same samples for every point; score = RULER string_match_all; "
+           f"{eval_common.seed_text(seeds)}), the same samples for every point; "
+           f"score = {eval_common.metric_text(rows)}; "
            "budget = tokens attended per query head per decode step, split per family as kvjax.eval.budgets says "
            "(streaming: sinks min(128, B/4) + window; quest and freekv: sinks B/4 + window B/4 + pages B/2; "
            f"retrieval: sinks 128 + window 512 + top-(B-640)); early stop: {FLAGS.early_stop}. {xla_note}"

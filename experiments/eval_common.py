@@ -102,6 +102,15 @@ def flatten(record: dict) -> dict:
   return row
 
 
+METRIC_NAMES = {"all": "RULER string_match_all", "part": "RULER string_match_part",
+                "kv_exact": "exact match (InfiniteBench kv_retrieval)"}
+
+
+def metric_text(rows: list[dict]) -> str:
+  """The scorers the rows were scored by, named for a results file's notes."""
+  return ", ".join(METRIC_NAMES.get(m, m) for m in dict.fromkeys(r.get("metric") for r in rows) if m) or "?"
+
+
 def progress(record: dict) -> None:
   ms = record["ms_per_token"]  # None when the answer ended after its first token: no decode step was timed
   print(f"{record['task']:>16} len={record['length']} depth={record['depth']} seed={record['seed']} "
@@ -135,9 +144,10 @@ def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, 
     results_io.write_results(
         f"{name}_paired", table, out_dir=out_dir,
         notes="Paired loss (full's score - the policy's) per sample, mean and 95% percentile-bootstrap interval "
-              f"over the samples (seed {seed}); 'no loss > 0.02' = the interval lies below 2 points. With pass/fail "
-              "scores and no sample lost the interval is [0, 0]: read it with n. criterion_applies: full scores "
-              "above 0.5 in the cell.", measured_by=measured_by)
+              f"over the samples (seed {seed}); worse / better: samples the policy scored below / above full; "
+              "loss_bound_exact: the Clopper-Pearson upper bound (97.5%) of worse / n, which bounds the mean loss "
+              "(scores lie in [0, 1]); 'no loss > 0.02' = both the interval and that bound lie below 2 points (with no "
+              "sample lost: n >= 183). criterion_applies: full scores above 0.5 in the cell.", measured_by=measured_by)
   return table
 
 

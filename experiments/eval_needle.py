@@ -63,7 +63,7 @@ def main(argv):
 def write(model, specs, lengths, depths, seeds, records, *, xla_note: str, partial: str) -> list[dict]:
   rows = [eval_common.flatten(r) for r in records]
   summary = eval_common.summarize(rows, ("policy", "length", "depth"))
-  notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = RULER string_match_all; "
+  notes = (f"Task `{FLAGS.task}` on {model.cfg.name} ({model.source}); score = {eval_common.metric_text(rows)}; "
            f"{len(seeds)} sample(s) per cell (seeds {eval_common.seed_text(seeds)}); length = prompt text tokens "
            f"(chat template and answer prefix on top, see prompt_tokens). Depth = haystack tokens before the needle / "
            f"all haystack tokens; early stop once every answer is in the text: {FLAGS.early_stop}. {xla_note}"

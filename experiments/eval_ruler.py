@@ -35,9 +35,9 @@ def pivot(summary: list[dict], tasks: list[str], columns: list[tuple[str, int]])
   score = {(s["task"], s["policy"], s["length"]): s["score"] for s in summary}
   rows = [{"task": t} | {f"{p} @{n}": score.get((t, p, n)) for p, n in columns} for t in tasks]
   mean = {"task": "mean"}
-  for p, n in columns:
+  for p, n in columns:  # only over every task: means over different task sets would not compare
     values = [score[(t, p, n)] for t in tasks if (t, p, n) in score]
-    mean[f"{p} @{n}"] = sum(values) / len(values) if values else None
+    mean[f"{p} @{n}"] = sum(values) / len(values) if values and len(values) == len(tasks) else None
   return rows + [mean]
 
 
@@ -91,6 +91,8 @@ def combine(paths: list[str]) -> None:
     partial = " (PARTIAL)" if "PARTIAL" in doc.get("notes", "") else ""
     sources.append(f"`{pathlib.Path(path).name}`{partial}: commit {doc['commit']}, {doc['date']}, `{doc['command']}`")
 
+  rows = unique_rows(rows)
+
   def ordered(key):
     return list(dict.fromkeys(r[key] for r in rows))
 
@@ -98,6 +100,24 @@ def combine(paths: list[str]) -> None:
   table = write(rows, tasks=ordered("task"), labels=ordered("policy"), lengths=ordered("length"), notes=notes,
                 model_name="", measured_by=docs)
   print(results_io.markdown_table(table))
+
+
+def unique_rows(rows: list[dict]) -> list[dict]:
+  """Each (task, length, depth, seed, policy) once: a sample in two files (a rerun of the seeds a
+  policy lost, say) would count twice in the means and once, silently, in the paired table. The
+  same score twice keeps the first row; different scores are an error naming the samples."""
+  seen: dict[tuple, dict] = {}
+  conflicts = []
+  for row in rows:
+    key = tuple(row.get(k) for k in ("task", "length", "depth", "seed", "policy"))
+    if key not in seen:
+      seen[key] = row
+    elif seen[key]["score"] != row["score"]:
+      conflicts.append(key)
+  if conflicts:
+    raise app.UsageError(f"--combine: {len(conflicts)} sample(s) appear in several files with different scores "
+                         f"(task, length, depth, seed, policy): {conflicts[:5]}; combine files of distinct samples")
+  return list(seen.values())
 
 
 def write(rows, *, tasks, labels, lengths, notes: str, model_name: str, measured_by=None) -> list[dict]:

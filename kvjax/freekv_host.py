@@ -145,6 +145,7 @@ class FreeKVRuntime:
     host_runtime.unregister(self.id)
     if self._worker is not None:
       self._worker.shutdown(wait=True)
+    host_runtime.warn_failed([self.pending], "freekv exchange")  # one stats() would have raised
 
   def raise_errors(self) -> None:
     if self.errors:
@@ -167,10 +168,13 @@ class FreeKVRuntime:
         seqs, layers, evicted_pos[where] - self.sinks, evicted_k[where], evicted_v[where])
 
   def _count(self, counters) -> None:
-    """Adds [..., 5] per-head counters (decided, corrected, reused, hits, missed)."""
+    """Adds [..., 5] per-head counters (decided, corrected, reused, hits, missed). The correction
+    test's counters count where it ran (decided); missed pages count at every step, a layer's
+    first (undecided, pool empty: usually the largest shortfall of a decode) included."""
     decided = counters[..., 0] > 0
-    for i, name in ((1, "corrected_heads"), (2, "reused_pages"), (3, "reused_hits"), (4, "missed_pages")):
+    for i, name in ((1, "corrected_heads"), (2, "reused_pages"), (3, "reused_hits")):
       setattr(self.stats, name, getattr(self.stats, name) + int((counters[..., i] * decided).sum()))
+    self.stats.missed_pages += int(counters[..., 4].sum())
     self.stats.decided_heads += int(decided.sum())
     store = self.context.store
     self.stats.page_bytes = 2 * self.page_size * store.head_dim * store.itemsize

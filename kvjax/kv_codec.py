@@ -9,9 +9,12 @@ are decoded on the device when they land. The host never reads them as numbers (
 holds them as "raw16"), which is why only page stores (freekv) take a codec: a vector index
 must compute with the keys.
 
-Error: |x - decode(encode(x))| <= s / 2 = max|x| / 254 per element (up to a float32 rounding),
-an absolute bound set by the row's largest entry: about twice bfloat16's rounding (2^-9
-relative) for that entry and relatively coarser for entries far below it.
+Error: decoded to float32, |x - decode(encode(x))| <= s / 2 = max|x| / 254 per element (up to a
+float32 rounding), an absolute bound set by the row's largest entry: about twice bfloat16's
+rounding (2^-9 relative) for that entry and relatively coarser for entries far below it.
+Decoded to bfloat16 (the pools of a bfloat16 model), the rounding of the decoded value adds up to
+|x̂| 2^-8 <= max|x| / 256: within max|x| / 127 in all (the worst of 20,000 random rows: max|x| /
+136).
 """
 
 from __future__ import annotations

@@ -3,13 +3,31 @@
 import numpy as np
 import pytest
 
-from kvjax.eval.paired import compare_to_reference, paired_loss
+from kvjax.eval.paired import binomial_upper, compare_to_reference, paired_loss
 
 
-def test_identical_scores_have_no_loss():
+def test_no_sample_lost_shows_no_loss_only_with_enough_samples():
+  """The bootstrap interval is [0, 0] whenever no sample is lost; the exact bound is what needs
+  n: with 0 of n lost it is 1 - 0.025^(1/n), below 0.02 from n = 183 on."""
   p = paired_loss([1, 0, 1, 1], [1, 0, 1, 1])
-  assert (p.loss, p.low, p.high, p.n) == (0.0, 0.0, 0.0, 4)
-  assert p.verdict(0.02) == "no loss > 0.02"
+  assert (p.loss, p.low, p.high, p.n, p.worse, p.better) == (0.0, 0.0, 0.0, 4, 0, 0)
+  assert p.exact_high == pytest.approx(1 - 0.025 ** (1 / 4))
+  assert p.verdict(0.02) == "inconclusive"
+  assert paired_loss([1] * 50, [1] * 50).exact_high == pytest.approx(0.0711, abs=1e-4)
+  assert paired_loss([1] * 182, [1] * 182).verdict(0.02) == "inconclusive"
+  assert paired_loss([1] * 183, [1] * 183).verdict(0.02) == "no loss > 0.02"
+
+
+def test_binomial_upper_matches_clopper_pearson():
+  assert binomial_upper(0, 10, 0.025) == pytest.approx(1 - 0.025 ** 0.1)
+  assert binomial_upper(3, 10, 0.025) == pytest.approx(0.6525, abs=1e-4)  # published tables
+  assert binomial_upper(10, 10, 0.025) == 1.0
+  # The bound is where P(X <= k) = tail: checked against the CDF summed directly.
+  from math import comb
+  p = binomial_upper(2, 40, 0.05)
+  assert sum(comb(40, i) * p**i * (1 - p) ** (40 - i) for i in range(3)) == pytest.approx(0.05, rel=1e-6)
+  with pytest.raises(ValueError, match="k=5, n=4"):
+    binomial_upper(5, 4, 0.025)
 
 
 def test_interval_matches_the_normal_approximation_for_many_samples():
@@ -33,6 +51,7 @@ def test_pairing_matters():
   cand[0] = 0.0
   p = paired_loss(ref, cand)
   assert p.loss == pytest.approx(0.02) and p.low == 0.0 and p.high <= 0.06
+  assert (p.worse, p.better) == (1, 0)
   assert p.verdict(0.02) == "inconclusive"
 
 
@@ -58,5 +77,6 @@ def test_compare_to_reference_pairs_by_sample_and_cell():
   freekv = table["niah", "freekv"]
   assert (freekv["n"], freekv["unpaired"], freekv["loss"], freekv["full_score"]) == (4, 1, 0.25, 1.0)
   assert freekv["criterion_applies"] and freekv["verdict"] == "inconclusive"
+  assert (freekv["worse"], freekv["better"]) == (1, 0) and freekv["loss_bound_exact"] > 0.25
   assert table["niah", "streaming"]["verdict"] == "loss" and table["niah", "streaming"]["loss"] == 1.0
   assert not table["vt", "freekv"]["criterion_applies"]  # full scores 0 there

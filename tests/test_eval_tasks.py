@@ -186,6 +186,10 @@ def test_cwe_runs_on_past_the_word_list_with_compounds(tok):
   assert set(sample.answers) <= set(words.ALL_WORDS)  # the common words stay real words
   counts = collections.Counter(items).most_common()
   assert {w for w, _ in counts[:10]} == set(sample.answers) and counts[10][1] == sample.meta["freq_ucw"]
+  # Naming any other listed word scores no answer: no common word occurs inside another word.
+  others = distinct - set(sample.answers)
+  assert not any(answer in other for answer in sample.answers for other in others)
+  assert sample.score(" ".join(sorted(others))) == 0.0
 
 
 def test_fwe_answers_are_the_most_frequent_coded_words(tok):

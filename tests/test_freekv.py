@@ -220,6 +220,7 @@ def test_plan_recall_fetches_only_missing_pages_into_the_lowest_scoring_slots():
     (dict(reserved_cores=1), "reserved_cores=1"),
     (dict(bridge="per_step", lag=2, reserved_cores=-1), "reserved_cores=-1"),
     (dict(bridge="per_step", lag=2, reserved_cores=100_000), "reserved_cores=100000 leaves no core"),
+    (dict(bridge="per_step", page_size=1, budget=24, sinks=4, window=8), "page_size=1: bridge='per_step'"),
 ])
 def test_bad_options(options, message):
   with pytest.raises(ValueError, match=message):
@@ -605,3 +606,13 @@ def test_lag_two_exchange_thread_stays_off_the_reserved_cores():
   assert make_policy("freekv", bridge="per_step")._reserved_cores() == 0
   lag2 = make_policy("freekv", bridge="per_step", lag=2)
   assert lag2._reserved_cores() == host_runtime.default_reserved_cores(len(allowed))
+
+
+def test_per_layer_counts_the_pages_its_first_step_could_not_recall():
+  """A layer's first step (pool empty, correction test not run) wants n_sel pages and recalls at
+  most max_recall: the shortfall is counted (it was dropped with the undecided counters)."""
+  result = kvjax.generate(tiny_model("llama"), prompts(), max_new_tokens=2, prefill_chunk=16,
+                          policy="freekv", policy_options=SMALL | dict(budget=COVERING, max_recall=1, dense_layers=()))
+  stats = result.policy_stats
+  assert stats["decode_steps"] == 1 and stats["host_decided_heads"] == 0  # the one step is every layer's first
+  assert stats["missed_pages_per_step"] > 0

@@ -32,6 +32,9 @@ def test_encode_and_decode_match_numpy_bit_for_bit_within_the_bound(dtype):
   assert np.all(np.abs(back - x32) <= bound)
   assert np.all(back[0, 0] == 0)
   assert np.abs(back - x32).max() > 0  # lossy: the test would notice a pass-through
+  # Decoded to bfloat16, the decoded value's own rounding (2^-8 relative) adds to the bound.
+  back16 = np.asarray(kv_codec.decode(jnp.asarray(words), "int8", jnp.bfloat16)).astype(np.float32)
+  assert np.all(np.abs(back16 - x32) <= np.abs(x32).max(-1, keepdims=True) / 127 * (1 + 1e-6))
 
 
 def test_none_is_the_identity_and_bad_codecs_are_refused():

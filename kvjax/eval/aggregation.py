@@ -7,7 +7,11 @@ most common words. One worked example (40 words, 10 / 3 repeats; 20 words, 3 / 1
 precedes the prompt, as in RULER. Words come from kvjax.eval.words (535, enough for ~13K tokens
 of Qwen2.5's); past them the uncommon words are adjective + noun compounds ("quietriver"), where
 RULER draws every word from wonderwords' English lists, which kvjax does not ship. The common
-words are always real words. The prompt grows with the number of distinct uncommon words.
+words are always real words, and words that occur inside no other word of the lists or the
+compounds (130 of the 535, mostly verbs): string_match_all counts an answer found anywhere in
+the text, so a common word inside an uncommon one ("table" in "stable", "quiet" in "quietriver")
+would score when the model names the uncommon word (until 2026-12-05 the common words were any of
+the 535). The prompt grows with the number of distinct uncommon words.
 
 Frequent words extraction (FWE): "coded" words of `coded_wordlen` = 6 random lower-case
 letters, a vocabulary of length // 50 of them, word k (1-based rank) appearing
@@ -20,6 +24,7 @@ Both are scored by string_match_all.
 
 from __future__ import annotations
 
+import functools
 import random
 import string
 
@@ -55,6 +60,14 @@ def _compound_words(rng: random.Random) -> list[str]:
   return out
 
 
+@functools.cache
+def standalone_words() -> frozenset[str]:
+  """The words of kvjax.eval.words that occur inside no other word of the lists or of the
+  adjective + noun compounds: the common words of CWE (see the module docstring)."""
+  text = "\n" + "\n".join(list(words.ALL_WORDS) + _compound_words(random.Random(0))) + "\n"
+  return frozenset(w for w in words.ALL_WORDS if text.count(w) == text.count(f"\n{w}\n"))
+
+
 def common_words(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0, num_cw: int = 10,
                  freq_cw: int | None = None, freq_ucw: int | None = None,
                  tolerance: float = sizing.DEFAULT_TOLERANCE) -> Sample:
@@ -69,7 +82,10 @@ def common_words(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
   ex_vocab = rng.sample(vocab, 20 if short else 40)
   ex_items, ex_common = _word_list(ex_vocab, len(ex_vocab), num_cw, 3 if short else 10, 1 if short else 3, rng)
   example = CWE_TEMPLATE.format(context=_numbered(ex_items)) + "\n" + CWE_PREFIX + " " + _numbered(ex_common) + "\n\n"
-  rng.shuffle(vocab)  # prefix-stable: n words are always vocab[:n]
+  rng.shuffle(vocab)  # prefix-stable: n words are always vocab[:n], the first num_cw the common ones
+  standalone = standalone_words()
+  common = [w for w in vocab if w in standalone][:num_cw]
+  vocab = common + [w for w in vocab if w not in common]
   shuffle_seed = rng.getrandbits(64)
   vocab += _compound_words(random.Random(f"cwe/{seed}/compounds"))
   head, tail = CWE_TEMPLATE.split("{context}")

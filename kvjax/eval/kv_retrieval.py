@@ -44,6 +44,6 @@ def kv_retrieval(tokenizer: sizing.TextTokenizer, *, length: int, seed: int = 0,
   built = layout.fit_layout(tokenizer, pairs(), [f"{json.dumps(key)}: {json.dumps(value)}"], [where], wrap,
                             length=length, sep=", ", tolerance=tolerance)
   sample = layout.needle_sample(tokenizer, "kv_retrieval", built, [key], (value,), [0], depth=depth, length=length,
-                                seed=seed, answer_prefix=ANSWER_PREFIX, max_new_tokens=40,
+                                seed=seed, answer_prefix=ANSWER_PREFIX, max_new_tokens=50,  # InfiniteBench's
                                 meta={"key": key, "pairs": built.units + 1})
   return dataclasses.replace(sample, metric="kv_exact")

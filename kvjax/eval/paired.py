@@ -3,18 +3,26 @@
 Every sample is decoded by each policy from the same prompt, so the right statistic is the
 per-sample difference d_i = reference_i - candidate_i (the loss, in score units), not two
 independent means. Its mean is bracketed by a percentile bootstrap over the samples (numpy
-only, a fixed seed: the same scores give the same interval). A policy shows "no loss beyond the
-margin" when the interval's upper end lies below the margin (the issue's criterion: the 95%
-interval excludes a loss of 2 points); "loss" when its lower end lies above zero.
+only, a fixed seed: the same scores give the same interval); "loss" when the interval's lower
+end lies above zero.
 
-With pass/fail scores the interval is [0, 0] when no sample disagrees: the bootstrap cannot
-see a loss that never occurred in n samples. Read it with n (the rule of three: with 0 of n
-samples lost, the true loss rate may still be up to ~3/n at 95%), which the rows carry.
+"No loss beyond the margin" (the issue's criterion: the 95% interval excludes a loss of 2
+points) also needs an exact bound, because the bootstrap cannot see a loss that never occurred:
+with no sample lost its interval is [0, 0] at any n, where the true rate of lost samples may
+still be ~3/n (the rule of three). Scores lie in [0, 1], so the mean loss is at most the share
+of samples the candidate scored below the reference; its Clopper-Pearson upper bound (the same
+confidence, two-sided: the upper 97.5% at 95%) bounds the mean loss without any assumption
+about its distribution, conservatively (it ignores the samples the candidate won and partial
+losses). The verdict "no loss > margin" needs both upper ends below the margin: with no sample
+lost that takes n >= 183 at 95% and a 2-point margin (0 of 50 lost: bound 0.071).
+Until 2026-12-05 the verdict used the bootstrap alone; results files written before say so in
+their notes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -29,14 +37,41 @@ class PairedLoss:
   low: float  # bootstrap interval of the mean loss
   high: float
   confidence: float
+  worse: int = 0  # samples the candidate scored below the reference
+  better: int = 0  # and above it
+  exact_high: float = 1.0  # Clopper-Pearson upper bound of worse / n, which bounds the mean loss
 
   def verdict(self, margin: float) -> str:
     """"no loss > margin", "loss" or "inconclusive" (see the module docstring)."""
-    if self.high < margin:
+    if self.high < margin and self.exact_high < margin:
       return f"no loss > {margin:g}"
     if self.low > 0:
       return "loss"
     return "inconclusive"
+
+
+def binomial_upper(k: int, n: int, tail: float) -> float:
+  """Clopper-Pearson upper bound of a rate with k of n events: the p at which P(X <= k) = tail
+  (1 when k == n). Bisection on the binomial CDF (log-gamma terms; NumPy and math only)."""
+  if not 0 <= k <= n or n < 1:
+    raise ValueError(f"k={k}, n={n}: need 0 <= k <= n and n >= 1")
+  if k == n:
+    return 1.0
+
+  def cdf(p: float) -> float:
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+            + (n - i) * math.log1p(-p) for i in range(k + 1)]
+    top = max(logs)
+    return math.exp(top) * sum(math.exp(x - top) for x in logs)
+
+  lo, hi = k / n, 1.0
+  for _ in range(60):  # cdf falls as p grows
+    mid = (lo + hi) / 2
+    if cdf(mid) > tail:
+      lo = mid
+    else:
+      hi = mid
+  return hi
 
 
 def paired_loss(
@@ -63,8 +98,10 @@ def paired_loss(
   means = diff[rng.integers(0, diff.size, size=(resamples, diff.size))].mean(axis=1)
   alpha = (1.0 - confidence) / 2
   low, high = np.quantile(means, [alpha, 1.0 - alpha])
+  worse = int(np.sum(diff > 0))
   return PairedLoss(n=int(diff.size), reference=float(ref.mean()), candidate=float(cand.mean()),
-                    loss=float(diff.mean()), low=float(low), high=float(high), confidence=confidence)
+                    loss=float(diff.mean()), low=float(low), high=float(high), confidence=confidence, worse=worse,
+                    better=int(np.sum(diff < 0)), exact_high=binomial_upper(worse, int(diff.size), alpha))
 
 
 def compare_to_reference(
@@ -87,9 +124,10 @@ def compare_to_reference(
     margin: loss (in score units: 0.02 = 2 points of a 0-1 score) the verdict tests against.
 
   Returns one dict per (cell, candidate policy) with both mean scores, the mean loss, its
-  interval, n and the verdict; samples the reference lacks (or the candidate) are left out and
-  counted in "unpaired". A cell whose reference scores <= 0.5 is marked (the issue's criterion
-  applies only where the reference scores above 50%).
+  interval, n, the samples it lost and won, the exact bound of the loss and the verdict;
+  samples the reference lacks (or the candidate) are left out and counted in "unpaired". A cell
+  whose reference scores <= 0.5 is marked (the issue's criterion applies only where the
+  reference scores above 50%).
   """
   rows = list(rows)
   scores: dict[tuple, dict[str, dict[tuple, float]]] = {}
@@ -113,6 +151,7 @@ def compare_to_reference(
       p = paired_loss([ref[s] for s in shared], [cand[s] for s in shared], confidence=confidence, seed=seed)
       out.append(row | {
           f"{reference}_score": round(p.reference, 4), "score": round(p.candidate, 4), "loss": round(p.loss, 4),
-          f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "verdict": p.verdict(margin),
+          f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "worse": p.worse, "better": p.better,
+          "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
           "criterion_applies": p.reference > 0.5})
   return out

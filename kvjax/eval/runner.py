@@ -122,6 +122,7 @@ def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared:
       "policy_name": spec.policy,
       "options": dict(spec.options),
       "score": sample.score(text),
+      "metric": sample.metric,
       "answers": list(sample.answers),
       "generated": text,
       "generated_tokens": len(result.tokens[0]),
@@ -157,10 +158,10 @@ def run_sample(
 
   Returns:
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
-    policy_name, options, score, answers, generated, generated_tokens, ms_per_token,
-    prefill_seconds, prefill_shared, copy_seconds (the in-memory copy of a shared prefill this
-    decode started from; 0 for the group's first member), decode_seconds (the whole decode call's
-    wall time), policy_stats.
+    policy_name, options, score, metric (the scorer: kvjax.eval.scoring), answers, generated,
+    generated_tokens, ms_per_token, prefill_seconds, prefill_shared, copy_seconds (the in-memory
+    copy of a shared prefill this decode started from; 0 for the group's first member),
+    decode_seconds (the whole decode call's wall time), policy_stats.
   """
   if model.tokenizer is None:
     raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")

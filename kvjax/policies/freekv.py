@@ -232,7 +232,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       or "int8" (per token and KV head, with a float32 scale: 0.52x the bytes of bfloat16 at
       head_dim 128 in the host store and on every copy between device and host; encoded and
       decoded on the device). The attended pages are then approximations of the keys and
-      values, within max|row| / 254 per element.
+      values, within max|row| / 254 per element decoded to float32, max|row| / 127 to bfloat16.
     implementation: device kernels, "auto" | "pallas" | "xla".
     background_nice: per_step lag 2: Linux nice value (0-19) of the exchange thread and its
       OpenMP team, so they yield the cores to the thread launching the step's kernels
@@ -306,6 +306,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
     if self.bridge == "per_step" and not self.speculative:
       raise ValueError("bridge='per_step' needs speculative=True: every step attends pages recalled before it")
+    if self.bridge == "per_step" and self.page_size < 2:
+      # The page completing at a step is gathered before that step's token is stored; with one
+      # token a page it holds no stored row yet (larger pages are completed from the evicted rows).
+      raise ValueError(f"page_size={self.page_size}: bridge='per_step' needs pages of at least 2 tokens")
     if not isinstance(self.sync_transfer, (bool, np.bool_)):
       raise ValueError(f"sync_transfer={self.sync_transfer!r} must be a bool")
     if self.lag not in (1, 2) or isinstance(self.lag, bool):
