@@ -250,6 +250,10 @@ class Index:
             raise ValueError(f"n_total={n_total} exceeds the {valid} stored keys")
         if queries is not None and self.kind != "roar":
             queries = None
+        if queries is not None:  # C checks only the byte count: float64 rows would read as pairs of floats
+            queries = _dtypes.as_f32(queries, "queries", ndim=2, dim=self.dim)
+            if queries.shape[0] != n_total - len(self):
+                raise ValueError(f"queries has {queries.shape[0]} rows for {n_total - len(self)} new keys")
         self._c.insert(buf, code, head, cap, n_total, queries, _threads(threads))
 
 

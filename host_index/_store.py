@@ -365,7 +365,8 @@ class KVStore:
         if h.size and (h.min() < 0 or h.max() >= self.num_kv_heads):
             raise ValueError(f"kv_heads must lie in [0, {self.num_kv_heads})")
         lowest = -1 if page == 1 else 0
-        bad = (p < lowest) | (p * page >= lens[g]) if p.size else np.zeros(0, bool)
+        # page id < ceil(len / page): id * page >= len would wrap for huge ids and pass
+        bad = (p < lowest) | (p >= -(-lens[g] // page)) if p.size else np.zeros(0, bool)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             unit = "row (or -1)" if page == 1 else "page"

@@ -251,3 +251,19 @@ def test_roar_insert_links_a_key_of_large_norm():
     assert (truth >= 1000).all()  # each query's best key is a new one
     ids, _, _ = ix.search(big, 1, ef=100)  # kvjax's default search list (top-100)
     np.testing.assert_array_equal(ids[:, 0], truth)
+
+
+def test_extend_refuses_queries_of_another_dtype_or_count():
+    """C checks only the byte count of an insert's queries: float64 rows would pass as twice as
+    many float32 values."""
+    rng = np.random.default_rng(0)
+    keys = clustered(120, 16, seed=3)
+    ix = hi.build_index(keys[:100], kind="roar", train_queries=rng.standard_normal((40, 16)).astype(np.float32),
+                        n_q=10, threads=1)
+    ix._keys.append(keys[100:110], hi._dtypes.CODES["float32"])  # the keys an extend indexes
+    with pytest.raises(TypeError, match="float64"):
+        ix.extend(110, queries=rng.standard_normal((5, 16)))  # float64, 5 x 16 x 8 bytes = 10 float32 rows
+    with pytest.raises(ValueError, match="rows"):
+        ix.extend(110, queries=rng.standard_normal((4, 16)).astype(np.float32))
+    ix.extend(110, queries=rng.standard_normal((10, 16)).astype(np.float32))
+    assert len(ix) == 110

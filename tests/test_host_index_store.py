@@ -145,6 +145,8 @@ def test_fetch_pages():
     np.testing.assert_array_equal(out_k, ok)
     with pytest.raises(ValueError):
         st.fetch_pages(0, 1, [0], [3])  # page past the end
+    with pytest.raises(ValueError, match="not a stored page"):
+        st.fetch_pages(0, 1, [0], [2**62])  # id * page wraps negative: once passed the check (segfault)
     with pytest.raises(ValueError):
         st.fetch_pages(0, 1, [2], [0])  # head out of range
     with pytest.raises(ValueError):
@@ -297,3 +299,21 @@ def test_gather_rows_matches_numpy(dtype):
         st.gather_rows(0, 0, H, [0])
     with pytest.raises(ValueError, match="out_k"):
         st.gather_rows(0, 0, 0, [0], out_k=np.empty((1, D), np.float64))
+
+
+def test_the_c_core_refuses_what_the_wrappers_never_pass():
+    """The C core checks its own inputs (the wrappers check first): a page id whose byte offset
+    overflows, a capacity whose byte size overflows int64, a second __init__ of a live index."""
+    from host_index import _core
+    k = np.zeros((1, 64, D), np.float16)
+    ints = lambda *xs: np.array(xs, np.int64)
+    out = np.zeros((1, 32, D), np.float16)
+    with pytest.raises(ValueError):  # gather_pages_multi(ks, vs, dtype, Hkv, dim, page, caps, lens, ...)
+        _core.gather_pages_multi([k], [k], hi._dtypes.CODES["float16"], 1, D, 32, ints(64), ints(64), ints(0),
+                                 ints(0), ints(2**58), 1, out, out.copy(), 1)
+    ix = _core.Index(0, 128)
+    with pytest.raises(ValueError, match="out of range"):  # 2**55 rows of 256 bytes: the size wraps to 0
+        ix.build(np.zeros((1, 128), np.float32), hi._dtypes.CODES["float32"], 0, 2**55, 200_000, None, 0, None, 0,
+                 None, 0, 1)
+    with pytest.raises(RuntimeError, match="already initialized"):
+        ix.__init__(0, 128)

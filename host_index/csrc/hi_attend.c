@@ -209,12 +209,14 @@ int hi_gather_pages_multi(const void *const *k, const void *const *v, const int6
                           const int64_t *group, const int64_t *heads, const int64_t *page_ids,
                           int64_t P, void *out_k, void *out_v, int threads) {
   const size_t row = (size_t)dim * hi_itemsize(dtype);
+  if (page < 1) return HI_EINVAL;
   for (int64_t g = 0; g < G; g++)
     if (len[g] < 0 || len[g] > cap[g]) return HI_EINVAL;
   for (int64_t p = 0; p < P; p++) {
     const int64_t g = group[p];
+    /* page id < ceil(len / page), not id * page < len: the product overflows for huge ids */
     if (g < 0 || g >= G || heads[p] < 0 || heads[p] >= Hkv || page_ids[p] < -1 ||
-        page_ids[p] * page >= len[g])
+        page_ids[p] >= (len[g] + page - 1) / page)
       return HI_EINVAL;
   }
   /* Single rows sit at random places in the store: their copy waits on memory latency, not

@@ -57,12 +57,14 @@ int hi_ws_ensure(hi_ws_t *ws, int64_t n_nodes, int64_t top, int64_t ids, int dim
   }
   if (grow((void **)&ws->top, &ws->top_cap, top + 1, sizeof(hi_pair))) return HI_ENOMEM;
   if (grow((void **)&ws->cand, &ws->cand_cap, top + 1, sizeof(hi_pair))) return HI_ENOMEM;
+  /* ids / dist and row / row2 share a capacity: the second of each pair grows first, so a failed
+   * growth never leaves the recorded capacity above either buffer's size. */
   int64_t ic = ws->ids_cap;
-  if (grow((void **)&ws->ids, &ws->ids_cap, ids + 1, sizeof(int32_t))) return HI_ENOMEM;
   if (grow((void **)&ws->dist, &ic, ids + 1, sizeof(float))) return HI_ENOMEM;
+  if (grow((void **)&ws->ids, &ws->ids_cap, ids + 1, sizeof(int32_t))) return HI_ENOMEM;
   int64_t rc = ws->row_cap;
-  if (grow((void **)&ws->row, &ws->row_cap, dim + 1, sizeof(float))) return HI_ENOMEM;
   if (grow((void **)&ws->row2, &rc, dim + 1, sizeof(float))) return HI_ENOMEM;
+  if (grow((void **)&ws->row, &ws->row_cap, dim + 1, sizeof(float))) return HI_ENOMEM;
   return HI_OK;
 }
 
@@ -128,6 +130,22 @@ size_t hi_index_nbytes(const hi_index_t *ix) {
     b += (size_t)ix->n_built * sizeof(int32_t);
   }
   return b;
+}
+
+void hi_index_clear(hi_index_t *ix) {
+  ix->n = 0;
+  ix->entry = -1;
+  ix->nhubs = 0;
+  if (ix->kind == HI_IVF) { /* untrained: inserts refuse (nlist 0) until a build succeeds */
+    free(ix->centroids);
+    free(ix->list_off);
+    free(ix->list_ids);
+    ix->centroids = NULL;
+    ix->list_off = NULL;
+    ix->list_ids = NULL;
+    ix->nlist = 0;
+    ix->n_built = 0;
+  }
 }
 
 int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float *tq,

@@ -86,6 +86,8 @@ int hi_ws_ensure(hi_ws_t *ws, int64_t n_nodes, int64_t top, int64_t ids, int dim
 
 int hi_index_init(hi_index_t *ix, int kind, int dim, const hi_params_t *p);
 void hi_index_free(hi_index_t *ix);
+/* After a failed build: no keys, no entry; an IVF index untrained (its inserts refuse). */
+void hi_index_clear(hi_index_t *ix);
 int hi_index_reserve(hi_index_t *ix, int64_t cap);
 size_t hi_index_nbytes(const hi_index_t *ix);
 

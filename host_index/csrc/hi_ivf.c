@@ -85,14 +85,19 @@ int hi_ivf_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads) 
 
   /* Lloyd iterations; sums run in a fixed order so results do not depend on
    * the thread count. */
-  for (int it = 0; it < ix->p.niter; it++) {
+  for (int it = 0; it < ix->p.niter && !err; it++) {
 #pragma omp parallel num_threads(hi_threads(threads))
     {
       float *dd = malloc((size_t)nlist * sizeof(float));
+      if (!dd) {
+#pragma omp atomic write
+        err = HI_ENOMEM;
+      }
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < ntrain; i++) asg[i] = dd ? nearest_list(ix, x + i * d, dd) : 0;
       free(dd);
     }
+    if (err) break;
     memset(sums, 0, (size_t)nlist * (size_t)d * sizeof(double));
     memset(cnt, 0, (size_t)nlist * sizeof(int64_t));
     for (int64_t i = 0; i < ntrain; i++) {
@@ -119,6 +124,7 @@ int hi_ivf_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, int threads) 
     }
   }
   ix->stats.t_kmeans = hi_now() - t0;
+  if (err) goto done;
 
   /* Assign every key. */
   t0 = hi_now();

@@ -33,8 +33,29 @@ static int raise_err(int err) {
   return -1;
 }
 
-/* C-contiguous buffer of at least `need` bytes (writable when asked). */
+/* Sizes for get_buf: the product (sum) of non-negative operands, or -1 when an operand is
+ * negative or the result overflows, which get_buf refuses (a wrapped size would let a short
+ * buffer pass the check). */
+static Py_ssize_t mul2(Py_ssize_t a, Py_ssize_t b) {
+  Py_ssize_t r;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) return -1;
+  return r;
+}
+static Py_ssize_t mul3(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c) { return mul2(mul2(a, b), c); }
+static Py_ssize_t mul4(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c, Py_ssize_t d) { return mul2(mul3(a, b, c), d); }
+static Py_ssize_t add2(Py_ssize_t a, Py_ssize_t b) {
+  Py_ssize_t r;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) return -1;
+  return r;
+}
+
+/* C-contiguous buffer of at least `need` bytes (writable when asked); need < 0: a size that
+ * overflowed (mul2...). */
 static int get_buf(PyObject *o, Py_buffer *b, int writable, Py_ssize_t need, const char *what) {
+  if (need < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: sizes out of range", what);
+    return -1;
+  }
   if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
     return -1;
   if (b->len < need) {
@@ -71,12 +92,12 @@ static int check_dtype_pair(int sdt, int ddt) {
 static int keys_view(PyObject *o, Py_buffer *b, int dtype, int dim, Py_ssize_t head,
                      Py_ssize_t cap, Py_ssize_t nrows, hi_keys_t *kv) {
   if (check_dtype(dtype) < 0) return -1;
-  if (head < 0 || cap < 0 || dim <= 0 || nrows < 0 || nrows > cap) {
+  if (head < 0 || head == PY_SSIZE_T_MAX || cap < 0 || dim <= 0 || nrows < 0 || nrows > cap) {
     PyErr_SetString(PyExc_ValueError, "bad head, capacity, length or dim");
     return -1;
   }
   const Py_ssize_t rowb = (Py_ssize_t)dim * (Py_ssize_t)hi_itemsize(dtype);
-  if (get_buf(o, b, 0, (head + 1) * cap * rowb, "keys") < 0) return -1;
+  if (get_buf(o, b, 0, mul3(head + 1, cap, rowb), "keys") < 0) return -1;
   kv->base = (const char *)b->buf + head * cap * rowb;
   kv->dtype = dtype;
   kv->dim = dim;
@@ -115,7 +136,10 @@ static int Index_init(IndexObject *self, PyObject *args, PyObject *kw) {
     PyErr_SetString(PyExc_ValueError, "invalid index parameters");
     return -1;
   }
-  if (self->ready) hi_index_free(&self->ix);
+  if (self->ready) { /* freeing under a search running without the GIL would be a use after free */
+    PyErr_SetString(PyExc_RuntimeError, "Index already initialized");
+    return -1;
+  }
   hi_params_t p = {.M = M, .ef_construction = efc, .ef_insert = efi, .L = L, .n_q = nq,
                    .n_pivots = npv, .n_cooc = ncooc, .n_hubs = nhubs, .metric = metric, .alpha = alpha, .nlist = nlist,
                    .niter = niter, .seed = seed};
@@ -155,11 +179,11 @@ static PyObject *Index_build(IndexObject *self, PyObject *args) {
   const int64_t *tk = NULL;
   const int32_t *cand = NULL;
   if (tqo != Py_None) {
-    if (get_buf(tqo, &qb, 0, m * self->ix.dim * 4, "train_queries") < 0) goto fail;
+    if (get_buf(tqo, &qb, 0, mul3(m, self->ix.dim, 4), "train_queries") < 0) goto fail;
     tq = qb.buf;
   }
   if (tko != Py_None) {
-    if (get_buf(tko, &tb, 0, m * nq * 8, "train_topk") < 0) goto fail;
+    if (get_buf(tko, &tb, 0, mul3(m, nq, 8), "train_topk") < 0) goto fail;
     tk = tb.buf;
     for (Py_ssize_t i = 0; i < m * nq; i++)
       if (tk[i] < -1 || tk[i] >= n) {
@@ -168,13 +192,13 @@ static PyObject *Index_build(IndexObject *self, PyObject *args) {
       }
   }
   if (cco != Py_None && ncand > 0) { /* ids outside [0, n) are skipped by the build */
-    if (get_buf(cco, &cb, 0, n * ncand * 4, "connect_candidates") < 0) goto fail;
+    if (get_buf(cco, &cb, 0, mul3(n, ncand, 4), "connect_candidates") < 0) goto fail;
     cand = cb.buf;
   }
   int err;
   Py_BEGIN_ALLOW_THREADS pthread_rwlock_wrlock(&self->ix.lock);
   err = hi_index_build(&self->ix, &kv, n, tq, m, tk, nq, cand, cand ? ncand : 0, threads);
-  if (err) self->ix.n = 0; /* a failed build leaves an empty, usable index */
+  if (err) hi_index_clear(&self->ix); /* a failed build leaves an empty index (IVF: untrained) */
   pthread_rwlock_unlock(&self->ix.lock);
   Py_END_ALLOW_THREADS PyBuffer_Release(&kb);
   if (qb.obj) PyBuffer_Release(&qb);
@@ -208,10 +232,10 @@ static PyObject *Index_search(IndexObject *self, PyObject *args) {
   Py_buffer kb, qb, ib, sb, cb;
   hi_keys_t kv;
   if (keys_view(ko, &kb, dtype, dim, head, cap, nrows, &kv) < 0) return NULL;
-  if (get_buf(qo, &qb, 0, nqry * dim * 4, "queries") < 0) goto f0;
-  if (get_buf(io, &ib, 1, nqry * k * 8, "ids") < 0) goto f1;
-  if (get_buf(so, &sb, 1, nqry * k * 4, "scores") < 0) goto f2;
-  if (get_buf(co, &cb, 1, nqry * 8, "scanned") < 0) goto f3;
+  if (get_buf(qo, &qb, 0, mul3(nqry, dim, 4), "queries") < 0) goto f0;
+  if (get_buf(io, &ib, 1, mul3(nqry, k, 8), "ids") < 0) goto f1;
+  if (get_buf(so, &sb, 1, mul3(nqry, k, 4), "scores") < 0) goto f2;
+  if (get_buf(co, &cb, 1, mul2(nqry, 8), "scanned") < 0) goto f3;
   int err = HI_OK;
   Py_BEGIN_ALLOW_THREADS pthread_rwlock_rdlock(&self->ix.lock);
   const float *q = qb.buf;
@@ -567,17 +591,17 @@ static PyObject *py_attend(PyObject *mod, PyObject *args) {
   if (index_ptrs(ixs, dim, idx, "attend") < 0) goto out;
   if (layer_views(kbs, vbs, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, vv) < 0) goto out;
   const Py_ssize_t T = (Py_ssize_t)B * Hq;
-  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  if (get_buf(qo, &bufs[nb], 0, mul3(T, dim, 4), "queries") < 0) goto out;
   const float *q = bufs[nb++].buf;
-  if (get_buf(oo, &bufs[nb], 1, T * dim * 4, "o") < 0) goto out;
+  if (get_buf(oo, &bufs[nb], 1, mul3(T, dim, 4), "o") < 0) goto out;
   float *o = bufs[nb++].buf;
-  if (get_buf(lo, &bufs[nb], 1, T * 4, "lse") < 0) goto out;
+  if (get_buf(lo, &bufs[nb], 1, mul2(T, 4), "lse") < 0) goto out;
   float *lse = bufs[nb++].buf;
-  if (get_buf(so, &bufs[nb], 1, T * 8, "scanned") < 0) goto out;
+  if (get_buf(so, &bufs[nb], 1, mul2(T, 8), "scanned") < 0) goto out;
   int64_t *scn = bufs[nb++].buf;
   int64_t *ids = NULL;
   if (io != Py_None) {
-    if (get_buf(io, &bufs[nb], 1, T * k * 8, "ids") < 0) goto out;
+    if (get_buf(io, &bufs[nb], 1, mul3(T, k, 8), "ids") < 0) goto out;
     ids = bufs[nb++].buf;
   }
   int err;
@@ -622,16 +646,16 @@ static PyObject *py_search(PyObject *mod, PyObject *args) {
   if (index_ptrs(ixs, dim, idx, "search") < 0) goto out;
   if (layer_views(kbs, NULL, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, NULL) < 0) goto out;
   const Py_ssize_t T = (Py_ssize_t)B * Hq;
-  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  if (get_buf(qo, &bufs[nb], 0, mul3(T, dim, 4), "queries") < 0) goto out;
   const float *q = bufs[nb++].buf;
   const uint8_t *mask = NULL;
   if (mo != Py_None) {
     if (get_buf(mo, &bufs[nb], 0, T, "mask") < 0) goto out;
     mask = bufs[nb++].buf;
   }
-  if (get_buf(io, &bufs[nb], 1, T * k * 8, "ids") < 0) goto out;
+  if (get_buf(io, &bufs[nb], 1, mul3(T, k, 8), "ids") < 0) goto out;
   int64_t *ids = bufs[nb++].buf;
-  if (get_buf(so, &bufs[nb], 1, T * 8, "scanned") < 0) goto out;
+  if (get_buf(so, &bufs[nb], 1, mul2(T, 8), "scanned") < 0) goto out;
   int64_t *scn = bufs[nb++].buf;
   int err;
   Py_BEGIN_ALLOW_THREADS err = hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask, ids,
@@ -674,13 +698,13 @@ static PyObject *py_attend_ids(PyObject *mod, PyObject *args) {
   }
   if (layer_views(kbs, vbs, caps, lens, dtype, Hkv, dim, B, bufs, &nb, kv, vv) < 0) goto out;
   const Py_ssize_t T = (Py_ssize_t)B * Hq;
-  if (get_buf(qo, &bufs[nb], 0, T * dim * 4, "queries") < 0) goto out;
+  if (get_buf(qo, &bufs[nb], 0, mul3(T, dim, 4), "queries") < 0) goto out;
   const float *q = bufs[nb++].buf;
-  if (get_buf(io, &bufs[nb], 0, T * n * 8, "ids") < 0) goto out;
+  if (get_buf(io, &bufs[nb], 0, mul3(T, n, 8), "ids") < 0) goto out;
   const int64_t *ids = bufs[nb++].buf;
-  if (get_buf(oo, &bufs[nb], 1, T * dim * 4, "o") < 0) goto out;
+  if (get_buf(oo, &bufs[nb], 1, mul3(T, dim, 4), "o") < 0) goto out;
   float *o = bufs[nb++].buf;
-  if (get_buf(lo, &bufs[nb], 1, T * 4, "lse") < 0) goto out;
+  if (get_buf(lo, &bufs[nb], 1, mul2(T, 4), "lse") < 0) goto out;
   float *lse = bufs[nb++].buf;
   int err;
   Py_BEGIN_ALLOW_THREADS err = hi_attend_ids(kv, vv, B, Hq, Hkv, q, ids, n, scale, o, lse, threads);
@@ -754,7 +778,7 @@ static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "insert_many: query start out of range");
         goto out;
       }
-      if (get_buf(q, &bufs[nb], 0, (nt[i] - q0[i]) * dim * 4, "queries") < 0) goto out;
+      if (get_buf(q, &bufs[nb], 0, mul3(nt[i] - q0[i], dim, 4), "queries") < 0) goto out;
       qp[i] = bufs[nb].buf;
       qr[i] = bufs[nb++].len / ((Py_ssize_t)dim * 4);
     }
@@ -789,8 +813,8 @@ static PyObject *py_convert(PyObject *mod, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "convert: negative offset");
     return NULL;
   }
-  const Py_ssize_t need_s = nbk ? (soff + (nbk - 1) * sst + blk) * (Py_ssize_t)hi_itemsize(sdt) : 0;
-  const Py_ssize_t need_d = nbk ? (doff + (nbk - 1) * dst + blk) * (Py_ssize_t)hi_itemsize(ddt) : 0;
+  const Py_ssize_t need_s = nbk ? mul2(add2(add2(soff, mul2(nbk - 1, sst)), blk), hi_itemsize(sdt)) : 0;
+  const Py_ssize_t need_d = nbk ? mul2(add2(add2(doff, mul2(nbk - 1, dst)), blk), hi_itemsize(ddt)) : 0;
   Py_buffer sb, db;
   if (get_buf(so, &sb, 0, need_s, "src") < 0) return NULL;
   if (get_buf(dobj, &db, 1, need_d, "dst") < 0) {
@@ -820,7 +844,7 @@ static PyObject *py_count_bad(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer sb;
-  if (get_buf(so, &sb, 0, n * (Py_ssize_t)hi_itemsize(sdt), "src") < 0) return NULL;
+  if (get_buf(so, &sb, 0, mul2(n, hi_itemsize(sdt)), "src") < 0) return NULL;
   int64_t bad;
   Py_BEGIN_ALLOW_THREADS bad = hi_count_bad(sb.buf, sdt, ddt, n);
   Py_END_ALLOW_THREADS PyBuffer_Release(&sb);
@@ -865,8 +889,8 @@ static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
   }
   Py_buffer ib[7];
   PyObject *iobjs[7] = {co, lo, go, ho, po, oko, ovo};
-  const Py_ssize_t ineed[7] = {G * 8, G * 8, P * 8, P * 8, P * 8, P * page * dim * isz,
-                               P * page * dim * isz};
+  const Py_ssize_t ineed[7] = {mul2(G, 8), mul2(G, 8), mul2(P, 8), mul2(P, 8), mul2(P, 8),
+                               mul4(P, page, dim, isz), mul4(P, page, dim, isz)};
   const int ni = get_bufs(iobjs, ineed, 7, 5, ib, "gather_pages_multi");
   Py_buffer *sb = ni == 7 ? (Py_buffer *)PyMem_Calloc((size_t)(2 * G + 1), sizeof(Py_buffer)) : NULL;
   const void **kp = sb ? (const void **)PyMem_Calloc((size_t)(2 * G + 1), sizeof(void *)) : NULL;
@@ -877,7 +901,7 @@ static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
   for (Py_ssize_t g = 0; ok && g < 2 * G; g++) {
     PyObject *o = g < G ? PySequence_Fast_GET_ITEM(ks, g) : PySequence_Fast_GET_ITEM(vs, g - G);
     const int64_t c = caps[g % G];
-    if (c < 0 || get_buf(o, &sb[ns], 0, Hkv * (Py_ssize_t)c * dim * isz, "gather_pages_multi store") < 0) {
+    if (c < 0 || get_buf(o, &sb[ns], 0, mul4(Hkv, c, dim, isz), "gather_pages_multi store") < 0) {
       if (c < 0) PyErr_SetString(PyExc_ValueError, "gather_pages_multi: negative capacity");
       ok = 0;
       break;
@@ -914,7 +938,7 @@ static PyObject *py_assign_slots(PyObject *mod, PyObject *args) {
   }
   Py_buffer b[3];
   PyObject *objs[3] = {ho, wo, oo};
-  const Py_ssize_t need[3] = {R * S * 8, R * S * 8, R * S * 8};
+  const Py_ssize_t need[3] = {mul3(R, S, 8), mul3(R, S, 8), mul3(R, S, 8)};
   const int nb = get_bufs(objs, need, 3, 2, b, "assign_slots");
   int err = HI_OK;
   if (nb == 3) {
@@ -939,7 +963,7 @@ static PyObject *py_count_common(PyObject *mod, PyObject *args) {
   }
   Py_buffer b[3];
   PyObject *objs[3] = {ao, bo, co};
-  const Py_ssize_t need[3] = {R * n * 8, R * m * 8, R * 8};
+  const Py_ssize_t need[3] = {mul3(R, n, 8), mul3(R, m, 8), mul2(R, 8)};
   const int nb = get_bufs(objs, need, 3, 2, b, "count_common");
   int err = HI_OK;
   if (nb == 3) {
