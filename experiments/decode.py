@@ -65,6 +65,20 @@ def main(argv):
   if FLAGS.deterministic:
     kvjax.use_deterministic_xla()  # before resolve_dtype starts the backend
   dtype = cli.resolve_dtype(FLAGS.dtype)
+  try:  # every flag checked before any model is loaded or any prompt prefilled
+    kvjax.SamplingConfig(temperature=FLAGS.temperature, top_p=FLAGS.top_p)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if FLAGS.top_p != 1.0 and FLAGS.temperature == 0:
+    raise app.UsageError(f"--top_p={FLAGS.top_p} needs --temperature > 0 (temperature 0 is greedy)")
+  if FLAGS["context_len"].present and FLAGS.context_len < 1:
+    raise app.UsageError(f"--context_len={FLAGS.context_len} must be >= 1")
+  if FLAGS["context_len"].present and (FLAGS.prompt is not None or FLAGS.prompt_file is not None):
+    raise app.UsageError("--context_len sizes the built-in prompt; it does not apply with --prompt / --prompt_file")
+  if FLAGS.batch < 1:
+    raise app.UsageError(f"--batch={FLAGS.batch} must be >= 1")
+  if FLAGS.seed < 0:
+    raise app.UsageError(f"--seed={FLAGS.seed} must be >= 0")
   if FLAGS.load_context and FLAGS.save_context:
     raise app.UsageError("give --save_context or --load_context, not both")
   if FLAGS.load_context:

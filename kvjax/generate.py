@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import engine
+from kvjax import checks, engine
 from kvjax.policies import AttentionPolicy, make_policy
 from kvjax.sampling import SamplingConfig
 from kvjax.sharding import ShardedPolicy, replicated
@@ -67,10 +67,14 @@ class GenerationResult:
 
 
 def _encode_prompts(model, prompts, *, chat: bool | None) -> list[list[int]]:
-  if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+  if isinstance(prompts, np.ndarray):  # [T] one prompt or [B, T] a batch of ids
+    prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+  if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
     prompts = [prompts]
-  if not prompts:
+  if not len(prompts):
     raise ValueError("prompts is empty")
+  if chat is not None:
+    checks.boolean(chat, "chat")
   encoded = []
   for prompt in prompts:
     if isinstance(prompt, str):
@@ -83,7 +87,7 @@ def _encode_prompts(model, prompts, *, chat: bool | None) -> list[list[int]]:
       else:
         ids = model.tokenizer.encode(prompt)
     else:
-      ids = [int(t) for t in prompt]
+      ids = checks.token_ids(prompt, f"prompt {len(encoded)}")
     if not ids:
       raise ValueError(f"prompt {len(encoded)} is empty")
     bad = [t for t in ids if not 0 <= t < model.cfg.vocab_size]
@@ -91,6 +95,19 @@ def _encode_prompts(model, prompts, *, chat: bool | None) -> list[list[int]]:
       raise ValueError(f"prompt {len(encoded)} has token ids outside [0, {model.cfg.vocab_size}): {bad[:5]}")
     encoded.append(ids)
   return encoded
+
+
+def _stop_tokens(model, stop_tokens) -> set[int]:
+  """The ids that end a sequence: given ints in the vocabulary, or the tokenizer's EOS ids."""
+  if stop_tokens is None:
+    return set(model.tokenizer.eos_ids) if model.tokenizer is not None else set()
+  if isinstance(stop_tokens, (str, bytes)) or not hasattr(stop_tokens, "__iter__"):
+    raise TypeError(f"stop_tokens={stop_tokens!r} must be a sequence of token ids")
+  ids = checks.token_ids(list(stop_tokens), "stop_tokens")
+  bad = [t for t in ids if not 0 <= t < model.cfg.vocab_size]
+  if bad:
+    raise ValueError(f"stop_tokens {bad[:5]} lie outside the vocabulary [0, {model.cfg.vocab_size})")
+  return set(ids)
 
 
 def check_context(cfg: ModelConfig, prompt_len: int, max_new_tokens: int) -> None:
@@ -185,10 +202,8 @@ def prefill(
       not every layer's KV (128 GiB for 8B shapes at 1M tokens). Same results; progress is
       then reported in prompt tokens times the share of layers done.
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"{max_new_tokens=} must be >= 1")
-  if prefill_chunk < 1:
-    raise ValueError(f"{prefill_chunk=} must be >= 1")
+  checks.integer(max_new_tokens, "max_new_tokens", low=1)
+  checks.integer(prefill_chunk, "prefill_chunk", low=1)
   mesh = getattr(model, "mesh", None)  # kvjax.sharding.shard_model: heads over several devices
   if layer_major and mesh is not None:
     raise ValueError("layer_major prefill runs on one device; this model is sharded")
@@ -324,16 +339,18 @@ def decode(
     raise ValueError("this context was decoded already: load it again from disk to decode it anew")
   check_model(model, context)
   check_mesh(model, context)
-  if max_new_tokens < 1:
-    raise ValueError(f"{max_new_tokens=} must be >= 1")
+  checks.integer(max_new_tokens, "max_new_tokens", low=1)
   room = context.capacity - max(context.prompt_lengths)
   if max_new_tokens > room:
     raise ValueError(f"{max_new_tokens=} exceeds the {room} positions the context was prefilled for")
+  check_context(model.cfg, max(context.prompt_lengths), max_new_tokens)  # the room is rounded up past it
   sampling = SamplingConfig(temperature=temperature, top_p=top_p)
-  if stop_tokens is None:
-    stop_tokens = sorted(model.tokenizer.eos_ids) if model.tokenizer is not None else []
-  stop = set(int(t) for t in stop_tokens)
+  stop = _stop_tokens(model, stop_tokens)
+  checks.integer(seed, "seed", low=-2**63, high=2**63 - 1)
+  checks.boolean(return_logits, "return_logits")
   _check_stop_when(stop_when)
+  if on_step is not None and not callable(on_step):
+    raise TypeError(f"on_step={on_step!r} must be callable")
   try:
     return _decode(model, context, sampling, stop, stop_when, max_new_tokens=max_new_tokens, seed=seed,
                    return_logits=return_logits, on_step=on_step)
@@ -436,6 +453,9 @@ def generate(
   """
   SamplingConfig(temperature=temperature, top_p=top_p)  # bad sampling options fail before any work
   _check_stop_when(stop_when)
+  _stop_tokens(model, stop_tokens)
+  checks.integer(seed, "seed", low=-2**63, high=2**63 - 1)
+  checks.boolean(return_logits, "return_logits")
   context = prefill(model, prompts, max_new_tokens=max_new_tokens, policy=policy, policy_options=policy_options,
                     chat=chat, prefill_chunk=prefill_chunk, on_prefill_progress=on_prefill_progress)
   return decode(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,

@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from kvjax import checks
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -16,9 +18,8 @@ class SamplingConfig:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0")
-    if not 0 < self.top_p <= 1:
+    checks.real(self.temperature, "temperature", low=0.0)  # inf would sample uniformly
+    if not 0 < checks.real(self.top_p, "top_p") <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
 

@@ -124,6 +124,60 @@ def test_bad_input_is_refused_before_work(kwargs, message):
     kvjax.generate(model, prompts, **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts=[[1.7, 2.2]]), r"prompt 0\[0\]=1.7 must be an int"),  # once truncated to [1, 2]
+    (dict(prompts=[["5", "6"]]), "must be an int"),
+    (dict(prompts=[[True, False]]), "must be an int"),
+    (dict(prompts=[np.array([1.0, 2.0])]), "1-D integer array"),
+    (dict(prompts=[1, 2], max_new_tokens=2.5), "max_new_tokens=2.5"),
+    (dict(prompts=[1, 2], max_new_tokens=True), "max_new_tokens=True"),
+    (dict(prompts=[1, 2], prefill_chunk=True), "prefill_chunk=True"),
+    (dict(prompts=[1, 2], seed=1.5), "seed=1.5"),
+    (dict(prompts=[1, 2], stop_tokens=[10**6]), "outside the vocabulary"),
+    (dict(prompts=[1, 2], stop_tokens=5), "stop_tokens=5"),
+    (dict(prompts=[1, 2], stop_tokens=[1.5]), "must be an int"),
+    (dict(prompts=[1, 2], temperature=float("inf")), "temperature=inf"),
+    (dict(prompts=[1, 2], return_logits="no"), "return_logits='no'"),
+    (dict(prompts=[1, 2], policy="retrieval", policy_options=dict(topk=100.0)), "topk=100.0"),
+    (dict(prompts=[1, 2], policy="retrieval", policy_options=dict(speculative="false")), "speculative='false'"),
+    (dict(prompts=[1, 2], policy="retrieval", policy_options=dict(topk=True)), "topk=True"),
+    (dict(prompts=[1, 2], policy="streaming", policy_options=dict(sinks=True)), "sinks=True"),
+    (dict(prompts=[1, 2], policy="quest", policy_options=dict(page_size=True)), "page_size=True"),
+    (dict(prompts=[1, 2], policy="freekv", policy_options=dict(max_recall=True)), "max_recall=True"),
+    (dict(prompts=[1, 2], policy="freekv", policy_options=dict(dense_layers="01")), "dense_layers='01'"),
+])
+def test_values_of_the_wrong_type_are_refused_before_work(kwargs, message, monkeypatch):
+  """Each is a TypeError (also a ValueError, kvjax.checks.ArgumentTypeError, for the policy
+  options that raised ValueError before) or a ValueError, raised before the prefill starts."""
+  from kvjax import engine
+
+  model = tiny_model("llama")
+  monkeypatch.setattr(engine, "prefill_chunk", None)  # no work may start: a prefill chunk would fail here
+  prompts = kwargs.pop("prompts")
+  with pytest.raises((TypeError, ValueError), match=message):
+    kvjax.generate(model, prompts, max_new_tokens=kwargs.pop("max_new_tokens", 2), **kwargs)
+
+
+def test_numpy_token_ids_are_accepted():
+  model = tiny_model("llama")
+  ids = np.array(random_prompt(9), np.int64)
+  expected = kvjax.generate(model, [ids.tolist()], max_new_tokens=3).tokens
+  assert kvjax.generate(model, ids, max_new_tokens=3).tokens == expected  # one prompt as a 1-D array
+  assert kvjax.generate(model, [ids], max_new_tokens=3).tokens == expected
+  assert kvjax.generate(model, [list(ids)], max_new_tokens=3).tokens == expected  # np.int64 items
+
+
+def test_decode_refuses_to_run_past_the_model_context():
+  model = tiny_model("llama")  # 256 positions; the room is rounded up past them
+  context = kvjax.prefill(model, [1] * 240, max_new_tokens=1, prefill_chunk=200)
+  try:
+    assert context.capacity - 240 > 16
+    with pytest.raises(ValueError, match="exceeds the context"):
+      kvjax.decode(model, context, max_new_tokens=20)
+  finally:
+    context.close()
+
+
 def test_rope_scaling_extends_the_context():
   model = tiny_model("llama")
   scaled = dataclasses.replace(model, cfg=model.cfg.with_rope_scaling(

@@ -114,7 +114,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import freekv_host, host_runtime, kv_codec, row_update
+from kvjax import checks, freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import page_selection, page_summary
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
@@ -280,8 +280,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                        "it leaves no page to select")
     if not isinstance(self.speculative, (bool, np.bool_)):
       raise ValueError(f"speculative={self.speculative!r} must be a bool")
-    if not (isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0):
-      raise ValueError(f"tau={self.tau!r} must lie in [0, 1]")
+    checks.real(self.tau, "tau", low=0.0, high=1.0)
     if self.correct_mass is not None:
       if isinstance(self.correct_mass, bool) or not (
           isinstance(self.correct_mass, (int, float)) and 0.0 <= self.correct_mass <= 1.0):
@@ -289,16 +288,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       if not self.speculative:
         raise ValueError(f"correct_mass={self.correct_mass} applies to speculative=True only")
       object.__setattr__(self, "correct_mass", float(self.correct_mass))
-    if self.max_recall is not None and not (
-        isinstance(self.max_recall, (int, np.integer)) and 1 <= self.max_recall <= self.n_sel):
-      raise ValueError(f"max_recall={self.max_recall!r} must be an int in [1, n_sel={self.n_sel}]")
-    try:
-      dense = tuple(sorted(set(int(l) for l in self.dense_layers)))
-    except TypeError:
-      raise ValueError(f"dense_layers={self.dense_layers!r} must be a sequence of layer ids") from None
-    if any(l < 0 for l in dense):
-      raise ValueError(f"dense_layers={self.dense_layers!r} must be non-negative layer ids")
-    object.__setattr__(self, "dense_layers", dense)
+    if self.max_recall is not None:
+      checks.integer(self.max_recall, "max_recall", low=1, high=self.n_sel)
+    object.__setattr__(self, "dense_layers", checks.layer_ids(self.dense_layers, "dense_layers"))
     object.__setattr__(self, "tau", float(self.tau))
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r}; expected auto, pallas or xla")

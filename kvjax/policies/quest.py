@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import ops
+from kvjax import checks
 from kvjax.policies.base import AttentionPolicy, layer_window
 from kvjax.policies.full import dense_attention, resolve_implementation, write_tokens
 from kvjax.policies.streaming import normalize_dense_layers, check_dense_layers_fit, is_dense_layer
@@ -172,9 +173,7 @@ class QuestAttention(AttentionPolicy):
 
   def __post_init__(self):
     for field, low in (("budget", 1), ("page_size", 1), ("sinks", 0), ("window", 1)):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value < low:
-        raise ValueError(f"{field}={value!r} must be an int >= {low}")
+      checks.integer(getattr(self, field), field, low=low)
     need = (-(-self.sinks // self.page_size) + max_window_pages(self.window, self.page_size)) * self.page_size
     if self.budget < max(need, self.sinks + self.window):
       raise ValueError(

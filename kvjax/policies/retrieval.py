@@ -41,7 +41,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import host_runtime, prefetch_runtime, row_update
+from kvjax import checks, host_runtime, prefetch_runtime, row_update
 from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
@@ -289,6 +289,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def __post_init__(self):
     if self.index not in INDEX_KINDS:
       raise ValueError(f"index={self.index!r}; expected one of {INDEX_KINDS}")
+    # Types first (bool is an int; 100.0 would fail deep in a shape): the ranges follow.
+    for field in ("topk", "window", "train_queries", "train_topk", "sinks", "tail_slots", "successor_sources", "lag"):
+      checks.integer(getattr(self, field), field)
+    for field in ("ef", "successors", "index_threads", "reserved_cores"):
+      if getattr(self, field) is not None:
+        checks.integer(getattr(self, field), field)
+    checks.boolean(self.speculative, "speculative")
+    checks.real(self.tau, "tau")
     for field in ("topk", "window", "train_queries", "train_topk"):
       if getattr(self, field) < 1:
         raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
@@ -340,7 +348,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"index_threads={self.index_threads} must be >= 1 and applies to bridge='per_step'")
     if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
       raise ValueError(f"reserved_cores={self.reserved_cores} must be >= 0 and applies to bridge='per_step'")
-    object.__setattr__(self, "dense_layers", tuple(sorted(set(int(l) for l in self.dense_layers))))
+    object.__setattr__(self, "dense_layers", checks.layer_ids(self.dense_layers, "dense_layers"))
 
   @property
   def pinned_per_head(self) -> int:

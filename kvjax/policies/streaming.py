@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import ops
+from kvjax import checks
 from kvjax.policies.base import AttentionPolicy, layer_window
 from kvjax.policies.full import dense_attention, resolve_implementation, write_tokens
 from models.config import ModelConfig
@@ -50,10 +51,9 @@ class StreamingKVCache:
 
 def normalize_dense_layers(dense_layers) -> tuple[int, ...]:
   """Returns dense_layers as a sorted tuple of distinct non-negative ints, or raises."""
-  try:
-    layers = tuple(int(i) for i in dense_layers)
-  except TypeError:
-    raise ValueError(f"dense_layers={dense_layers!r} must be a sequence of layer ids") from None
+  if isinstance(dense_layers, (str, bytes)) or not hasattr(dense_layers, "__iter__"):
+    raise checks.ArgumentTypeError(f"dense_layers={dense_layers!r} must be a sequence of layer ids")
+  layers = tuple(checks.integer(i, f"dense_layers[{k}]") for k, i in enumerate(dense_layers))
   if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
     raise ValueError(f"dense_layers={dense_layers!r} must be distinct non-negative layer ids")
   return tuple(sorted(layers))
@@ -149,10 +149,8 @@ class StreamingLLM(AttentionPolicy):
   name: str = "streaming"
 
   def __post_init__(self):
-    if not isinstance(self.sinks, int) or self.sinks < 0:
-      raise ValueError(f"sinks={self.sinks!r} must be an int >= 0")
-    if not isinstance(self.window, int) or self.window < 1:
-      raise ValueError(f"window={self.window!r} must be an int >= 1")
+    checks.integer(self.sinks, "sinks", low=0)
+    checks.integer(self.window, "window", low=1)
     object.__setattr__(self, "dense_layers", normalize_dense_layers(self.dense_layers))
     if self.implementation not in ("auto", "pallas", "xla"):
       raise ValueError(f"implementation={self.implementation!r}; expected auto, pallas or xla")
