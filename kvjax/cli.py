@@ -134,7 +134,12 @@ def policy_options(policy_cls, flag_values, *, policy_name: str | None = None) -
       continue
     if option not in fields:
       raise app.UsageError(f"--{flag} does not apply to --policy={policy_name}")
-    options[option] = tuple(int(x) for x in value) if flag == "dense_layers" else value
+    if flag == "dense_layers":
+      try:
+        value = tuple(int(x) for x in value)
+      except ValueError:
+        raise app.UsageError(f"--dense_layers={','.join(value)}: layer ids are integers") from None
+    options[option] = value
   return options
 
 

@@ -36,3 +36,17 @@ def test_flags_that_do_not_apply_are_errors(tmp_path):
   assert staged.returncode != 0 and "--layer_major does not apply with --load_context" in staged.stderr
   missing = decode("--model=random:tiny", f"--load_context={tmp_path / 'none'}", timeout=300)
   assert missing.returncode != 0 and "not a saved kvjax context" in missing.stderr
+
+
+def test_bad_flag_values_fail_before_any_work(tmp_path):
+  """Checked before the model loads: a bad sampling flag once failed after the prefill and the save."""
+  cases = [(["--temperature=-1", f"--save_context={tmp_path / 'x'}"], "temperature=-1.0 must be >= 0.0"),
+           (["--top_p=0.5"], "--top_p=0.5 needs --temperature > 0"),
+           (["--context_len=0"], "--context_len=0 must be >= 1"),
+           (["--context_len=100", "--prompt=hi"], "--context_len sizes the built-in prompt"),
+           (["--batch=0"], "--batch=0 must be >= 1"),
+           (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers")]
+  for flags, message in cases:
+    bad = decode("--model=random:tiny", *flags, timeout=300)
+    assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
+  assert not (tmp_path / "x").exists()
