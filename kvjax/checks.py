@@ -37,9 +37,10 @@ def real(value, name: str, *, low: float | None = None, high: float | None = Non
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.floating, np.integer)):
     raise ArgumentTypeError(f"{name}={value!r} must be a number")
   value = float(value)
-  if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
-    bounds = "finite" if low is None and high is None else f"in [{low}, {high}]" if low is not None and high is not None \
-        else f">= {low}" if low is not None else f"<= {high}"
+  if not math.isfinite(value):
+    raise ValueError(f"{name}={value!r} must be finite")
+  if (low is not None and value < low) or (high is not None and value > high):
+    bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
     raise ValueError(f"{name}={value!r} must be {bounds}")
   return value
 

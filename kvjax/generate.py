@@ -97,6 +97,14 @@ def _encode_prompts(model, prompts, *, chat: bool | None) -> list[list[int]]:
   return encoded
 
 
+def _check_decode_args(model, stop_tokens, stop_when, seed, return_logits) -> set[int]:
+  """decode's options besides sampling, checked (generate checks them before its prefill); the stop ids."""
+  _check_stop_when(stop_when)
+  checks.integer(seed, "seed", low=-2**63, high=2**63 - 1)
+  checks.boolean(return_logits, "return_logits")
+  return _stop_tokens(model, stop_tokens)
+
+
 def _stop_tokens(model, stop_tokens) -> set[int]:
   """The ids that end a sequence: given ints in the vocabulary, or the tokenizer's EOS ids."""
   if stop_tokens is None:
@@ -345,10 +353,7 @@ def decode(
     raise ValueError(f"{max_new_tokens=} exceeds the {room} positions the context was prefilled for")
   check_context(model.cfg, max(context.prompt_lengths), max_new_tokens)  # the room is rounded up past it
   sampling = SamplingConfig(temperature=temperature, top_p=top_p)
-  stop = _stop_tokens(model, stop_tokens)
-  checks.integer(seed, "seed", low=-2**63, high=2**63 - 1)
-  checks.boolean(return_logits, "return_logits")
-  _check_stop_when(stop_when)
+  stop = _check_decode_args(model, stop_tokens, stop_when, seed, return_logits)
   if on_step is not None and not callable(on_step):
     raise TypeError(f"on_step={on_step!r} must be callable")
   try:
@@ -451,11 +456,8 @@ def generate(
 
   Args: see `prefill` and `decode`; `max_new_tokens` serves both.
   """
-  SamplingConfig(temperature=temperature, top_p=top_p)  # bad sampling options fail before any work
-  _check_stop_when(stop_when)
-  _stop_tokens(model, stop_tokens)
-  checks.integer(seed, "seed", low=-2**63, high=2**63 - 1)
-  checks.boolean(return_logits, "return_logits")
+  SamplingConfig(temperature=temperature, top_p=top_p)  # bad decode options fail before any work
+  _check_decode_args(model, stop_tokens, stop_when, seed, return_logits)
   context = prefill(model, prompts, max_new_tokens=max_new_tokens, policy=policy, policy_options=policy_options,
                     chat=chat, prefill_chunk=prefill_chunk, on_prefill_progress=on_prefill_progress)
   return decode(model, context, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
