@@ -78,6 +78,8 @@ def _encode_prompts(model, prompts, *, chat: bool | None) -> list[list[int]]:
   encoded = []
   for prompt in prompts:
     if isinstance(prompt, str):
+      if not prompt:  # refused here: a chat template would wrap it into a prompt of template tokens alone
+        raise ValueError(f"prompt {len(encoded)} is an empty string")
       if model.tokenizer is None:
         raise ValueError(f"model {model.cfg.name!r} has no tokenizer: pass token ids, not text")
       use_chat = model.tokenizer.has_chat_template if chat is None else chat

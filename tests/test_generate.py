@@ -108,6 +108,8 @@ def test_top_p_keeps_only_the_nucleus():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompts=[]), "empty"),
     (dict(prompts=[[]]), "empty"),
+    (dict(prompts=""), "prompt 0 is an empty string"),
+    (dict(prompts=["", "text"]), "prompt 0 is an empty string"),
     (dict(prompts=[5, 500]), "outside"),
     (dict(prompts=[1] * 250, max_new_tokens=10), "exceeds the context"),
     (dict(prompts=[1, 2], max_new_tokens=0), "max_new_tokens"),
