@@ -28,6 +28,13 @@ def concrete_value(x: Any) -> np.ndarray | None:
   return np.asarray(x)
 
 
+def index_array(x: Any) -> Any:
+  """`x` as is when a JAX array (or tracer), else as a NumPy array: ids and lengths given as
+  Python or NumPy int64 keep their width for the range checks (jnp.asarray would first wrap
+  2**32 + 5 to 5 under JAX's default int32)."""
+  return x if isinstance(x, jax.Array) else np.asarray(x)
+
+
 def check_float(name: str, x: Any) -> None:
   dtype = jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
   if dtype not in STORAGE_DTYPES:
@@ -108,6 +115,8 @@ def check_query_and_cache(q: Any, k: Any, v: Any, *, q_layout: str, q_head_axis:
     raise TypeError(f"v.dtype={v.dtype} must equal k.dtype={k.dtype}")
   num_layers = k.shape[0] if k.ndim == 5 else None
   batch, kv_heads, seq_len, head_dim = k.shape[-4:]
+  if seq_len == 0:
+    raise ValueError(f"k.shape={tuple(k.shape)} holds no key slots (seq = 0)")
   if q.shape[0] != batch:
     raise ValueError(f"q batch {q.shape[0]} (q.shape={tuple(q.shape)}) must equal k batch {batch}")
   if q.shape[-1] != head_dim:

@@ -117,8 +117,13 @@ def _check(q, codes, lo, step, bits: int, implementation: str) -> None:
   if q.ndim != 3 or codes.ndim != 5 or lo.shape != codes.shape[:2] + q.shape[-1:] or step.shape != lo.shape:
     raise ValueError(f"shapes q {q.shape}, codes {codes.shape}, lo {lo.shape}, step {step.shape}: expected "
                      "[B, Hq, D], [B, Hkv, N, P, D * bits / 8], [B, Hkv, D], [B, Hkv, D]")
+  if q.shape[0] != codes.shape[0]:
+    raise ValueError(f"q batch {q.shape[0]} (q.shape={tuple(q.shape)}) must equal codes batch {codes.shape[0]}")
   if codes.dtype != jnp.uint8:
     raise TypeError(f"codes.dtype={codes.dtype} must be uint8")
+  for name, x in (("q", q), ("lo", lo), ("step", step)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name}.dtype={x.dtype} must be a float dtype")
   if codes.shape[-1] * (8 // bits) != q.shape[-1] or q.shape[1] % codes.shape[1]:
     raise ValueError(f"codes {codes.shape} do not hold {bits}-bit channels of head_dim {q.shape[-1]}, or q "
                      f"heads {q.shape[1]} are not a multiple of KV heads {codes.shape[1]}")

@@ -205,7 +205,7 @@ def _prepare(q, k_pages, v_pages, page_ids, page_counts, layer, implementation, 
     _checks.check_pow2("head_dim", head_dim, _MIN_TILE, hint)
     _checks.check_pow2("page_size", page_size, _MIN_TILE, hint)
   _checks.check_layer(layer, num_layers)
-  page_ids, page_counts = jnp.asarray(page_ids), jnp.asarray(page_counts)
+  page_ids, page_counts = _checks.index_array(page_ids), _checks.index_array(page_counts)
   _checks.check_int("page_ids", page_ids)
   _checks.check_int("page_counts", page_counts)
   _checks.check_ndim("page_ids", page_ids, (3,), "[batch, kv_heads, max_pages]")
@@ -213,6 +213,8 @@ def _prepare(q, k_pages, v_pages, page_ids, page_counts, layer, implementation, 
                       "[batch, kv_heads, max_pages]")
   _checks.check_shape("page_counts", page_counts, (batch, kv_heads), "[batch, kv_heads]")
   max_pages = page_ids.shape[-1]
+  if max_pages == 0:
+    raise ValueError(f"page_ids.shape={tuple(page_ids.shape)} lists no pages (max_pages = 0)")
   _checks.check_range("page_counts", page_counts, 0, max_pages)
   ids, counts = _checks.concrete_value(page_ids), _checks.concrete_value(page_counts)
   if ids is not None and counts is not None and ids.size:
@@ -222,7 +224,7 @@ def _prepare(q, k_pages, v_pages, page_ids, page_counts, layer, implementation, 
       idx = tuple(int(i) for i in np.argwhere(bad)[0])
       raise ValueError(f"page_ids{list(idx)}={ids[idx]} is outside [0, {num_slots - 1}] (slots)")
   scale = float(head_dim ** -0.5 if scale is None else scale)
-  return page_ids.astype(jnp.int32), page_counts.astype(jnp.int32), scale
+  return jnp.asarray(page_ids, jnp.int32), jnp.asarray(page_counts, jnp.int32), scale
 
 
 def paged_partial_attention(

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+import numpy as np
 
 from ops import _checks
 from ops.split_combine import combine_splits
@@ -263,6 +264,7 @@ def _partial_attention_xla(
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.exp(s - m_safe[..., None])
   l = jnp.sum(p, axis=-1)
+  v = jnp.where(valid[:, None, :, None], v, 0)  # a zero weight times a NaN / inf left in a free slot is NaN
   o = jnp.einsum("bkgs,bksd->bkgd", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32, precision=precision)
   o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
@@ -293,17 +295,35 @@ def _validate(q, k, v, lengths, starts, layer, implementation, starts2=None, len
     _checks.check_int(name, x)
     _checks.check_shape(name, x, (batch,), "[batch]")
     _checks.check_range(name, x, 0, seq_len)
+  _check_disjoint(starts, lengths, starts2, lengths2)
   return num_layers, seq_len
+
+
+def _check_disjoint(starts, lengths, starts2, lengths2) -> None:
+  """The two intervals must not overlap (checked when concrete): the kernel counts a key in both
+  twice, the XLA path and the reference once."""
+  if starts2 is None:
+    return
+  values = [_checks.concrete_value(x) for x in (starts, lengths, starts2, lengths2)]
+  if any(x is None for x in values[1:]) or (starts is not None and values[0] is None):
+    return
+  s1 = np.zeros_like(values[1]) if starts is None else values[0]
+  e1, s2, e2 = values[1:]
+  overlap = (np.maximum(s1, s2) < np.minimum(e1, e2))
+  if overlap.any():
+    b = int(np.argmax(overlap))
+    raise ValueError(f"sequence {b}: [starts, lengths) = [{s1[b]}, {e1[b]}) overlaps [starts2, lengths2) = "
+                     f"[{s2[b]}, {e2[b]}): the two key intervals must be disjoint")
 
 
 def _prepare(q, k, v, lengths, starts, layer, implementation, scale, starts2=None, lengths2=None):
   """Validated int32 (lengths, starts, starts2, lengths2) and the scale; an absent second
   interval is empty."""
-  as_array = lambda x: None if x is None else jnp.asarray(x)
+  as_array = lambda x: None if x is None else _checks.index_array(x)
   lengths, starts, starts2, lengths2 = map(as_array, (lengths, starts, starts2, lengths2))
   _validate(q, k, v, lengths, starts, layer, implementation, starts2, lengths2)
   zeros = jnp.zeros((q.shape[0],), jnp.int32)
-  as_int32 = lambda x: zeros if x is None else x.astype(jnp.int32)
+  as_int32 = lambda x: zeros if x is None else jnp.asarray(x, jnp.int32)
   scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
   return as_int32(lengths), as_int32(starts), as_int32(starts2), as_int32(lengths2), scale
 
@@ -342,7 +362,7 @@ def partial_attention(
     lengths: [batch] int32, one past the last valid key (<= seq).
     starts: [batch] int32 first valid key (default 0), e.g. a sliding window.
     starts2, lengths2: [batch] int32, optional together: a second interval of keys
-      [starts2, lengths2), disjoint from the first (a key in both counts twice), e.g. the
+      [starts2, lengths2), disjoint from the first (checked when concrete), e.g. the
       sinks of a ring whose window wraps. One call instead of two and a merge.
     layer: int32 scalar (may be traced) selecting the layer of a stacked cache;
       the Pallas path indexes the stacked buffer in place (no slice copy).

@@ -143,7 +143,9 @@ def _prepare(q, k, v, q_positions, kv_lengths, window, layer, implementation, sc
       q, k, v, q_layout="[batch, chunk, q_heads, head_dim]", q_head_axis=2, layer=layer)
   if implementation == "pallas":
     _checks.check_pow2("head_dim", head_dim, 16, " for implementation='pallas' (use 'xla')")
-  q_positions, kv_lengths = jnp.asarray(q_positions), jnp.asarray(kv_lengths)
+  if q.shape[1] == 0:
+    raise ValueError(f"q.shape={tuple(q.shape)} is a chunk of no queries (chunk = 0)")
+  q_positions, kv_lengths = _checks.index_array(q_positions), _checks.index_array(kv_lengths)
   _checks.check_int("q_positions", q_positions)
   _checks.check_int("kv_lengths", kv_lengths)
   _checks.check_shape("q_positions", q_positions, q.shape[:2], "[batch, chunk]")
@@ -151,14 +153,16 @@ def _prepare(q, k, v, q_positions, kv_lengths, window, layer, implementation, sc
   _checks.check_range("kv_lengths", kv_lengths, 0, seq_len)
   _checks.check_range("q_positions", q_positions, 0, 2**31 - 2)
   if window is not None:
+    if isinstance(window, bool):
+      raise TypeError(f"{window=} must be an int or an int32 array, not a bool")
     if isinstance(window, int):
-      if window < 0:
-        raise ValueError(f"{window=} must be >= 0 (0 or None = global)")
+      if not 0 <= window <= 2**31 - 1:
+        raise ValueError(f"{window=} must lie in [0, 2**31 - 1] (0 or None = global)")
     else:
       _checks.check_int("window", window)
       _checks.check_range("window", window, 0, 2**31 - 1)
   scale = float(head_dim ** -0.5 if scale is None else scale)
-  return q_positions.astype(jnp.int32), kv_lengths.astype(jnp.int32), scale
+  return jnp.asarray(q_positions, jnp.int32), jnp.asarray(kv_lengths, jnp.int32), scale
 
 
 def prefill_attention(

@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from ops import _checks
 
@@ -133,13 +134,13 @@ def _prepare(queries, keys, k, key_lengths):
   if key_lengths is None:
     key_lengths = jnp.full((kv_heads,), num_keys, jnp.int32)
   else:
-    key_lengths = jnp.asarray(key_lengths)
+    key_lengths = _checks.index_array(key_lengths)
     _checks.check_int("key_lengths", key_lengths)
     if key_lengths.ndim == 0:
-      key_lengths = jnp.broadcast_to(key_lengths, (kv_heads,))
+      key_lengths = (jnp if isinstance(key_lengths, jax.Array) else np).broadcast_to(key_lengths, (kv_heads,))
     _checks.check_shape("key_lengths", key_lengths, (kv_heads,), "[kv_heads] or scalar")
     _checks.check_range("key_lengths", key_lengths, 0, num_keys)
-  return key_lengths.astype(jnp.int32)
+  return jnp.asarray(key_lengths, jnp.int32)
 
 
 def _blocks(q_heads: int, num_keys: int, block_q, block_n) -> tuple[int, int]:

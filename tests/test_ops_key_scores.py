@@ -95,6 +95,8 @@ def test_unsupported_shape_on_the_gpu_path_names_it():
     (dict(codes=np.zeros((2, 2, 4, 8, 8), np.int32)), "codes.dtype=int32"),
     (dict(codes=np.zeros((2, 2, 4, 8, 4), np.uint8)), "head_dim 32"),
     (dict(lo=np.zeros((2, 3, 32), np.float32)), "shapes"),
+    (dict(q=np.zeros((1, 6, 32), np.float32)), "q batch 1"),  # was broadcast against 2 sequences of codes
+    (dict(q=np.zeros((2, 6, 32), np.int32)), "q.dtype=int32"),
 ])
 def test_bad_input(change, message):
   q, codes, lo, step = _case(0)

@@ -1,5 +1,6 @@
 """ops.paged_partial_attention: Pallas kernel (interpret on CPU) == gather + dense reference."""
 
+import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,7 +75,7 @@ class PagedTest:
   @pytest.mark.parametrize("case", CASES, ids=str)
   def test_matches_reference(self, case):
     head_dim, group, kv_heads, dtype, page_size, slots, max_pages, splits = case
-    q, k, v, ids, counts = _make_case(hash(case) % 2**31, 2, group * kv_heads, kv_heads, slots,
+    q, k, v, ids, counts = _make_case(zlib.crc32(repr(case).encode()), 2, group * kv_heads, kv_heads, slots,
                                       page_size, head_dim, max_pages, dtype)
     o, lse = ops.paged_partial_attention(q, k, v, ids, counts, interpret=self.INTERPRET,
                                          num_splits=splits)
@@ -123,17 +124,19 @@ def test_xla_implementation_matches_reference():
     (dict(q_heads=5), ValueError, "q_heads=5"),
     (dict(ids_dtype=jnp.float32), TypeError, "page_ids.dtype=float32"),
     (dict(page_size=24), ValueError, "page_size=24"),
+    (dict(max_pages=0), ValueError, r"lists no pages"),
+    (dict(counts_value=2**32 + 1, counts_int64=True), ValueError, r"page_counts\[0, 0\]=4294967297"),
 ])
 def test_bad_input_raises_naming_value(bad, err, match):
   page_size = bad.get("page_size", 16)
   q = jnp.ones((1, bad.get("q_heads", 4), 64), jnp.float32)
   k = jnp.ones((1, 2, 6, page_size, 64), jnp.float32)
-  ids = np.zeros((1, 2, 4), np.int32)
-  counts = np.full((1, 2), 2, np.int32)
+  ids = np.zeros((1, 2, bad.get("max_pages", 4)), np.int32)
+  counts = np.full((1, 2), 2 if ids.shape[-1] else 0, np.int64 if bad.get("counts_int64") else np.int32)
   if "ids_value" in bad:
     ids[0, 1, 0] = bad["ids_value"]
   if "counts_value" in bad:
     counts[0, 0] = bad["counts_value"]
   with pytest.raises(err, match=match):
     ops.paged_partial_attention(q, k, k, jnp.asarray(ids, bad.get("ids_dtype", jnp.int32)),
-                                jnp.asarray(counts), interpret=True)
+                                counts, interpret=True)  # NumPy counts: int64 stays int64 until checked

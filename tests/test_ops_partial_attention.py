@@ -6,6 +6,7 @@ compiled (marked `gpu`, skipped on CPU).
 """
 
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ class PartialAttentionTest:
   def test_matches_reference(self, case):
     head_dim, group, kv_heads, dtype, seq_len, block_k, num_splits = case
     q, k, v, lengths, starts = _make_case(
-        hash(case) % 2**31, 3, group * kv_heads, kv_heads, seq_len, head_dim, dtype)
+        zlib.crc32(repr(case).encode()), 3, group * kv_heads, kv_heads, seq_len, head_dim, dtype)
     o, lse = ops.partial_attention(q, k, v, lengths, starts=starts, interpret=self.INTERPRET,
                                    block_k=block_k, num_splits=num_splits)
     o_ref, lse_ref = ops.partial_attention_reference(q, k, v, lengths, starts=starts)
@@ -175,7 +176,7 @@ class TestPartialAttentionGpu(PartialAttentionTest):
 
 def test_xla_implementation_matches_reference():
   q, k, v, lengths, starts = _make_case(11, 3, 8, 2, 70, 64, jnp.float32, layers=2,
-                                        poison=False)
+                                        poison=True)  # NaN outside the set: once gave NaN outputs
   fn = jax.jit(lambda layer: ops.partial_attention(q, k, v, lengths, starts=starts, layer=layer,
                                                    implementation="xla"))
   o, lse = fn(jnp.int32(1))
@@ -190,6 +191,22 @@ def test_default_config_fills_device_and_respects_shape():
   assert splits * split_len >= 640 and (splits - 1) * split_len < 640
 
 
+def test_int64_lengths_are_checked_before_narrowing():
+  """2**32 + 5 once wrapped to 5 in jnp.asarray (int32) before the range check saw it."""
+  q, k = jnp.ones((1, 2, 64), jnp.float32), jnp.ones((1, 1, 20, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"lengths\[0\]=4294967301"):
+    ops.partial_attention(q, k, k, np.array([2**32 + 5]), implementation="xla")
+  with pytest.raises(ValueError, match=r"starts\[0\]=4294967297"):
+    ops.partial_attention(q, k, k, [5], starts=[2**32 + 1], implementation="xla")
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_a_cache_without_slots_is_refused(implementation):
+  q, k = jnp.ones((1, 2, 64), jnp.float32), jnp.ones((1, 1, 0, 64), jnp.float32)
+  with pytest.raises(ValueError, match=r"no key slots"):
+    ops.partial_attention(q, k, k, [0], implementation=implementation, interpret=True)
+
+
 @pytest.mark.parametrize("bad, err, match", [
     (dict(q_heads=6, kv_heads=4), ValueError, "q_heads=6"),
     (dict(k_dtype=jnp.int32), TypeError, "k.dtype=int32"),
@@ -202,6 +219,7 @@ def test_default_config_fills_device_and_respects_shape():
     (dict(implementation="cuda"), ValueError, "implementation='cuda'"),
     (dict(starts2=[0, 1]), ValueError, "starts2 and lengths2 go together"),
     (dict(starts2=[0, 1], lengths2=[3, 21]), ValueError, r"lengths2\[1\]=21"),
+    (dict(starts2=[3, 7], lengths2=[6, 9]), ValueError, r"sequence 0: .*\[0, 5\) overlaps .*\[3, 6\)"),
 ])
 def test_bad_input_raises_naming_value(bad, err, match):
   q_heads, kv_heads = bad.get("q_heads", 4), bad.get("kv_heads", 2)
