@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import sys
 
@@ -75,8 +76,9 @@ def main(argv):
     raise app.UsageError(f"--context_len={FLAGS.context_len} must be >= 1")
   if FLAGS["context_len"].present and (FLAGS.prompt is not None or FLAGS.prompt_file is not None):
     raise app.UsageError("--context_len sizes the built-in prompt; it does not apply with --prompt / --prompt_file")
-  if FLAGS.batch < 1:
-    raise app.UsageError(f"--batch={FLAGS.batch} must be >= 1")
+  for name in ("batch", "max_new_tokens", "prefill_chunk"):
+    if FLAGS[name].value < 1:
+      raise app.UsageError(f"--{name}={FLAGS[name].value} must be >= 1")
   if FLAGS.seed < 0:
     raise app.UsageError(f"--seed={FLAGS.seed} must be >= 0")
   if FLAGS.load_context and FLAGS.save_context:
@@ -93,10 +95,13 @@ def main(argv):
       raise app.UsageError(str(e)) from None
     if FLAGS["policy"].present and FLAGS.policy != saved:
       raise app.UsageError(f"--policy={FLAGS.policy} but the saved context was prefilled with {saved}")
-    overrides = cli.policy_options(type(make_policy(saved)), FLAGS, policy_name=saved)
-  else:
-    options = cli.policy_options(type(make_policy(FLAGS.policy)), FLAGS)
-    policy = make_policy(FLAGS.policy, **options)
+  try:  # a policy refuses its options (a budget below its sinks + window, say) at construction
+    if FLAGS.load_context:
+      overrides = cli.policy_options(type(make_policy(saved)), FLAGS, policy_name=saved)
+    else:
+      policy = make_policy(FLAGS.policy, **cli.policy_options(type(make_policy(FLAGS.policy)), FLAGS))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   model = kvjax.load_model(FLAGS.model, dtype=dtype, layout=FLAGS.layout)
   if FLAGS.rope_scaling:
     scaling = cli.parse_rope_scaling(FLAGS.rope_scaling, model.cfg.max_position)
@@ -129,12 +134,13 @@ def main(argv):
       "context": f"loaded from {FLAGS.load_context}" if FLAGS.load_context else "prefilled",
       "prefill_seconds": round(result.prefill_seconds, 3),
       "prefill_tokens_per_second": round(result.prefill_tokens_per_second, 1),
-      "decode_ms_per_token": round(result.ms_per_token, 3),
+      # None, not NaN (invalid JSON), when no decode step ran (--max_new_tokens=1).
+      "decode_ms_per_token": None if math.isnan(result.ms_per_token) else round(result.ms_per_token, 3),
       "kv_cache_bytes": result.kv_bytes,
       "peak_device_bytes": result.peak_device_bytes,
       "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
   }
-  steps = max(1, len(result.decode_seconds) + 1)
+  steps = max(1, result.decode_steps)
   for key, value in result.policy_stats.items():  # host-side breakdown of sparse policies
     name = key if key.startswith("host_") else f"host_{key}"
     if key.endswith("_seconds"):

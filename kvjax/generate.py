@@ -36,6 +36,7 @@ class GenerationResult:
     prefill_seconds: wall time of the whole prefill (compilation included on a first call).
     decode_seconds: per-step wall times (the first step, which compiles, is dropped when
       there is more than one).
+    decode_steps: the decode steps that ran (the policy's counters cover all of them).
     after_step_seconds: the part of each of those steps spent in the policy's host work
       between steps (`after_step`), the rest being the jitted step up to its sampled token.
     policy: the policy description.
@@ -56,6 +57,7 @@ class GenerationResult:
   logits: np.ndarray | None = None
   policy_stats: dict = dataclasses.field(default_factory=dict)
   after_step_seconds: list[float] = dataclasses.field(default_factory=list)
+  decode_steps: int = 0
 
   @property
   def ms_per_token(self) -> float:
@@ -434,6 +436,7 @@ def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, 
       logits=np.stack(step_logits) if return_logits else None,
       policy_stats=attention.stats(state),
       after_step_seconds=after_seconds[1:] if len(after_seconds) > 1 else after_seconds,
+      decode_steps=len(step_seconds),
   )
 
 

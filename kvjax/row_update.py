@@ -72,8 +72,11 @@ def padded_size(n: int) -> int:
   runs, 11.5 in a third; experiments/results/bench_scale_8b_synthetic_128k_ahead_*.md)."""
   if n <= 64:
     return 64
-  size = 2.0 ** (np.ceil(4 * np.log2(n)) / 4)
-  return int(-(-int(np.ceil(size)) // 64) * 64)
+  rung = lambda k: int(-(-int(np.ceil(2.0 ** (k / 4))) // 64) * 64)  # 2^(k/4) up to a multiple of 64
+  k = int(np.ceil(4 * np.log2(n)))
+  while rung(k - 1) >= n:  # rounding to 64 lets a lower rung hold n (192 holds 182, whose 2^(k/4) is 215)
+    k -= 1
+  return rung(k)
 
 
 def ladder(upto: int) -> list[int]:

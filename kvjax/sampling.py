@@ -31,12 +31,16 @@ def sample(
   """Returns [batch] int32 token ids."""
   if config.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / config.temperature
+  # Shifted to a best of 0 and multiplied by 1 / T, a Python float: a tiny T overflowed the raw
+  # logits to tied infinities, and float32 flushes a T below 1.2e-38 to 0 (0 / 0 = NaN).
+  shifted = logits.astype(jnp.float32) - jnp.max(logits, axis=-1, keepdims=True).astype(jnp.float32)
+  logits = jnp.where(shifted == 0, 0.0, shifted * (1.0 / config.temperature))
   if config.top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # best first; ties by id
+    probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked before
     kept = mass_before < config.top_p  # always keeps the best token
-    threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    # Kept by rank, not by a logit threshold: tokens tied with the last one kept stay out.
+    kept = jnp.take_along_axis(kept, jnp.argsort(order, axis=-1), axis=-1)
+    logits = jnp.where(kept, logits, -jnp.inf)
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

@@ -29,6 +29,18 @@ def test_save_then_load_context_gives_the_same_tokens(tmp_path):
   assert a["device"] and a["commit"] and a["jax"]  # results are stamped
 
 
+def test_a_single_token_report_is_strict_json(tmp_path):
+  """No decode step runs: its ms per token was written as NaN, which JSON does not allow."""
+  run = decode("--model=random:tiny", "--context_len=100", "--max_new_tokens=1", f"--json_out={tmp_path / 'a.json'}")
+  assert run.returncode == 0, run.stderr[-3000:]
+
+  def refuse(constant):
+    raise AssertionError(f"{constant} in the report")
+
+  report = json.loads((tmp_path / "a.json").read_text(), parse_constant=refuse)
+  assert report["decode_ms_per_token"] is None and report["generated_tokens"] == 1
+
+
 def test_flags_that_do_not_apply_are_errors(tmp_path):
   bad = decode("--model=random:tiny", "--context_len=100", "--policy=full", "--retrieval_topk=5", timeout=300)
   assert bad.returncode != 0 and "--retrieval_topk does not apply to --policy=full" in bad.stderr
@@ -45,8 +57,12 @@ def test_bad_flag_values_fail_before_any_work(tmp_path):
            (["--context_len=0"], "--context_len=0 must be >= 1"),
            (["--context_len=100", "--prompt=hi"], "--context_len sizes the built-in prompt"),
            (["--batch=0"], "--batch=0 must be >= 1"),
+           (["--max_new_tokens=0"], "--max_new_tokens=0 must be >= 1"),
+           (["--prefill_chunk=0"], "--prefill_chunk=0 must be >= 1"),
+           (["--policy=quest", "--budget=10"], "budget=10 is smaller than the sinks"),
            (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers")]
   for flags, message in cases:
     bad = decode("--model=random:tiny", *flags, timeout=300)
     assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
+    assert "Traceback" not in bad.stderr, (flags, bad.stderr[-500:])  # a usage error, not a crash
   assert not (tmp_path / "x").exists()

@@ -88,6 +88,14 @@ def test_stop_when_ends_a_sequence_after_the_token_that_satisfies_it():
     kvjax.decode(model, kvjax.prefill(model, prompts, max_new_tokens=4), max_new_tokens=4, stop_when=3)
 
 
+def test_decode_steps_count_every_step():
+  """decode_seconds drops the compiling first step (when more ran); decode_steps counts them all."""
+  model = tiny_model("llama")
+  for new_tokens, steps, timed in ((1, 0, 0), (2, 1, 1), (5, 4, 3)):
+    result = kvjax.generate(model, random_prompt(10), max_new_tokens=new_tokens)
+    assert (result.decode_steps, len(result.decode_seconds)) == (steps, timed), new_tokens
+
+
 def test_sampling_is_reproducible_from_seed():
   model = tiny_model("llama")
   runs = [kvjax.generate(model, random_prompt(20), max_new_tokens=12, temperature=1.5, seed=s).tokens
@@ -103,6 +111,15 @@ def test_top_p_keeps_only_the_nucleus():
   assert drawn == {0, 1}  # 0.5 + 0.3 reach 0.7; 0.15 and 0.05 are cut
   greedy = sample(logits, jax.random.key(0), SamplingConfig())
   assert int(greedy[0]) == 0
+  tied = jnp.log(jnp.asarray([[0.4, 0.2, 0.2, 0.2]]))  # the nucleus is 0 and one of the tied three
+  drawn = {int(sample(tied, jax.random.key(i), SamplingConfig(temperature=1.0, top_p=0.5))[0]) for i in range(200)}
+  assert drawn == {0, 1}  # a logit threshold kept all four
+
+
+def test_a_tiny_temperature_samples_the_best_token():
+  logits = jnp.asarray([[3.0, 5.0, -1.0]])  # / 1e-38 overflowed to tied infinities: token 0 came out
+  for top_p, temperature in ((1.0, 1e-38), (0.5, 1e-38), (1.0, 5e-324)):
+    assert int(sample(logits, jax.random.key(0), SamplingConfig(temperature=temperature, top_p=top_p))[0]) == 1
 
 
 @pytest.mark.parametrize("kwargs, message", [

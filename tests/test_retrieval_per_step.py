@@ -619,6 +619,8 @@ def test_padded_size_is_a_short_ladder():
   assert all(s >= n and s % 64 == 0 for s, n in zip(sizes, range(0, 20000, 7)))
   assert max(s / n for s, n in zip(sizes, range(0, 20000, 7)) if n > 512) < 1.27
   assert len(set(sizes)) < 40
+  rungs = row_update.ladder(20000)  # each n gets the smallest rung that holds it (182 got 256, not 192)
+  assert all(padded_size(n) == min(r for r in rungs if r >= n) for n in range(1, 20000))
 
 
 def test_successors_default_to_twice_the_lag_on_the_per_step_bridge_only():
