@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 from typing import Literal
 
 RopeKind = Literal["linear", "dynamic", "yarn", "llama3"]
@@ -115,6 +116,15 @@ class ModelConfig:
   dtype: str = "float32"
 
   def __post_init__(self):
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "intermediate_size", "max_position"):
+      value = getattr(self, field)
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{field}={value!r} must be an int >= 1")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ValueError(f"dtype={self.dtype!r} must be 'float32', 'bfloat16' or 'float16'")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise TypeError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling (or None)")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"{self.num_heads=} is not a multiple of {self.num_kv_heads=}")
     if self.head_dim % 2:

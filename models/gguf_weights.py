@@ -292,7 +292,8 @@ def config_from_gguf(reader, *, name: str, dtype: str = "float32") -> ModelConfi
   num_layers = int(get("block_count", required=True))
   num_heads = int(get("attention.head_count", required=True))
   num_kv_heads = get("attention.head_count_kv", num_heads)
-  if isinstance(num_kv_heads, list):  # per-layer list in some files
+  if isinstance(num_kv_heads, (list, np.ndarray)):  # per-layer in some files (the reader gives arrays)
+    num_kv_heads = [int(n) for n in num_kv_heads]
     if len(set(num_kv_heads)) != 1:
       raise ValueError(f"per-layer KV head counts {num_kv_heads} are not supported")
     num_kv_heads = num_kv_heads[0]
@@ -351,7 +352,7 @@ def config_from_gguf(reader, *, name: str, dtype: str = "float32") -> ModelConfi
   if arch == "gemma3":
     window = int(get("attention.sliding_window", 512))
     pattern = get("attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):  # per-layer booleans: True = sliding
+    if isinstance(pattern, (list, np.ndarray)):  # per-layer booleans: True = sliding
       windows = tuple(window if bool(p) else 0 for p in pattern)
     else:
       # llama.cpp's set_swa_pattern(n): every n-th layer (il % n == n - 1) is global.

