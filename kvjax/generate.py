@@ -25,6 +25,13 @@ from models.rope import rope_tables
 CAPACITY_MULTIPLE = 256
 
 
+def round_capacity(tokens: int, policy: AttentionPolicy) -> int:
+  """`tokens` rounded up to a multiple of CAPACITY_MULTIPLE and of the policy's `capacity_multiple`
+  (a quest page of 48 tokens never divided a multiple of 256 alone)."""
+  multiple = math.lcm(CAPACITY_MULTIPLE, policy.capacity_multiple)
+  return -(-tokens // multiple) * multiple
+
+
 @dataclasses.dataclass
 class GenerationResult:
   """What one generate() call produced and what it cost.
@@ -230,7 +237,7 @@ def prefill(
   batch = len(encoded)
   padded_len = -(-max(lengths) // prefill_chunk) * prefill_chunk
   capacity = max(padded_len, max(lengths) + max_new_tokens)
-  capacity = -(-capacity // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+  capacity = round_capacity(capacity, attention)
   dtype = jnp.dtype(cfg.dtype)
   rope = tuple(jnp.asarray(t) for t in rope_tables(cfg, capacity))
   tokens = np.zeros((batch, padded_len), np.int32)

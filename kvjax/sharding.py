@@ -202,6 +202,10 @@ class ShardedPolicy(AttentionPolicy):
   def devices(self) -> int:
     return self.mesh.shape[HEADS]
 
+  @property
+  def capacity_multiple(self) -> int:
+    return self.inner.capacity_multiple
+
   def local_cfg(self, cfg: ModelConfig) -> ModelConfig:
     return local_config(cfg, self.devices)
 

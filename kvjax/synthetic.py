@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import kv_codec
-from kvjax.generate import CAPACITY_MULTIPLE, PrefilledContext, check_context, prefill
+from kvjax.generate import PrefilledContext, check_context, prefill, round_capacity
 from kvjax.policies import make_policy
 from kvjax.policies.base import HostBackedMixin
 from kvjax.policies.full import DenseKVCache, FullAttention, write_and_attend, write_tokens
@@ -344,7 +344,7 @@ def synthetic_prefill(
                      f"{lengths}, more than 90% of the {available / 2**30:.1f} GiB of host memory available")
 
   batch, longest = len(lengths), max(lengths)
-  capacity = -(-(longest + max_new_tokens) // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+  capacity = round_capacity(longest + max_new_tokens, attention)
   inv_freq = jnp.asarray(rope_tables(cfg, capacity)[0])  # [L, D // 2]
   head, tail = stats.head_len, stats.tail_len
   ends = np.asarray(lengths, np.int32) - tail  # [B]: first tail position of each sequence

@@ -47,7 +47,9 @@ def run(family, policy):
 @pytest.mark.parametrize("policy", [
     StreamingLLM(sinks=16, window=256),
     QuestAttention(budget=256, page_size=8, sinks=8, window=16, dense_layers=()),
-], ids=["streaming", "quest"])
+    # Pages of 12 never divide a capacity rounded to 256 alone: refused before the capacity honoured them.
+    QuestAttention(budget=264, page_size=12, sinks=12, window=24, dense_layers=()),
+], ids=["streaming", "quest", "quest_pages_of_12"])
 def test_covering_budget_equals_full(family, policy):
   full, sparse = run_full(family), run(family, policy)
   assert sparse.logits.shape[0] >= 9  # the first token + >= 8 decode steps

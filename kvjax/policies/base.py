@@ -37,6 +37,8 @@ class AttentionPolicy(abc.ABC):
   takes_written_prompt = False
   reads_prompt_queries = False
   stages_prefill = False  # see HostBackedMixin
+  # The cache capacity generate chooses is a multiple of this (quest: its page size).
+  capacity_multiple = 1
 
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:

@@ -191,6 +191,10 @@ class QuestAttention(AttentionPolicy):
             f"{self.window} (<= {max_window_pages(self.window, p)} pages) + selected pages of {p} up to "
             f"{self.budget // p} pages, dense prefill{dense})")
 
+  @property
+  def capacity_multiple(self) -> int:
+    return self.page_size
+
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> QuestKVCache:
     check_dense_layers_fit(cfg, self.dense_layers)
     if capacity % self.page_size:
