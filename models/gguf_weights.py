@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from models.config import ModelConfig, RopeScaling, param_shapes
+from models.config import ModelConfig, RopeScaling, leaf_dtype, param_shapes
 
 _GGUF_MAGIC = b"GGUF"
 _SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
@@ -431,7 +431,7 @@ def load_gguf_reader(reader: GGUFFile, *, dtype: str = "float32", name: str | No
   permute = cfg.family == "llama"
   heads_of = {"wq": cfg.num_heads, "bq": cfg.num_heads, "wk": cfg.num_kv_heads, "bk": cfg.num_kv_heads}
 
-  layers = {k: np.empty(s, out_dtype) for k, s in shapes["layers"].items()}
+  layers = {k: np.empty(s, np_dtype(leaf_dtype(k, dtype))) for k, s in shapes["layers"].items()}
   filled = {k: np.zeros(L, bool) for k in layers}
   params: dict[str, Any] = {"layers": layers}
 
@@ -466,7 +466,7 @@ def load_gguf_reader(reader: GGUFFile, *, dtype: str = "float32", name: str | No
       elif t.name == "output.weight":
         params["lm_head"] = np.ascontiguousarray(a.T, dtype=out_dtype)
       else:
-        params["final_norm"] = a.astype(out_dtype)
+        params["final_norm"] = a.astype(np.float32)  # models.config.leaf_dtype
       return
     if permute and key in heads_of:
       a = unpermute_qk(a, heads_of[key])

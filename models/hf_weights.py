@@ -309,7 +309,8 @@ def params_from_hf_state_dict(state: Mapping[str, np.ndarray], cfg: ModelConfig)
       raise ValueError(f"tensor {hf_name!r} has shape {x.shape}, expected {tuple(hf_shape)}")
     if norm and gemma_norms:
       x = 1.0 + x.astype(np.float32)  # Gemma applies (1 + w) in float32
-    return np.array(x.T if transpose else x, dtype=out_dtype, order="C")  # a copy, never a memmap view
+    dtype = np.float32 if norm else out_dtype  # norm weights stay float32 (models.config.leaf_dtype)
+    return np.array(x.T if transpose else x, dtype=dtype, order="C")  # a copy, never a memmap view
 
   params: dict[str, Any] = {
       "embed": fetch(f"{prefix}embed_tokens.weight", shapes["embed"], False, False),

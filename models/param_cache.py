@@ -29,9 +29,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig, RopeScaling, param_shapes
+from models.config import ModelConfig, RopeScaling, leaf_dtype, param_shapes
 
-FORMAT = 1
+FORMAT = 2  # 2: norm weights stored float32 (models.config.leaf_dtype)
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> str:
@@ -186,9 +186,8 @@ def load(key: str, *, cache_dir=None, device=None) -> tuple[ModelConfig, Any, di
       raise ValueError(f"config hash {cfg.config_hash()} != stored {meta['config_hash']}")
     device = device or jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
-    dt = jnp.dtype(cfg.dtype)
-    abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(tuple(s), dt, sharding=sharding),
+    abstract = jax.tree_util.tree_map_with_path(
+        lambda path, s: jax.ShapeDtypeStruct(tuple(s), jnp.dtype(leaf_dtype(path[-1].key, cfg.dtype)), sharding=sharding),
         param_shapes(cfg),
         is_leaf=lambda x: isinstance(x, tuple),
     )

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig, RopeScaling, param_shapes
+from models.config import ModelConfig, RopeScaling, leaf_dtype, param_shapes
 from models.decoder import decode_layout
 from models.tokenizer import Tokenizer
 
@@ -157,7 +157,7 @@ def _random_tree_jit(frozen, dtype, std, key):
   leaves = []
   for (path, shape), k in zip(flat, keys):
     if "norm" in jax.tree_util.keystr(path[-1:]):
-      leaves.append(jnp.ones(shape, dtype))
+      leaves.append(jnp.ones(shape, jnp.float32))  # models.config.leaf_dtype
     else:
       leaves.append(jax.random.normal(k, shape, dtype) * jnp.asarray(std, dtype))
   return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -330,8 +330,11 @@ def _finish(cfg, params, tokenizer, source, rope_scaling, layout) -> LoadedModel
 
 
 def _to_device(params, dtype: str):
-  dt = jnp.dtype(dtype)
-  return jax.tree.map(lambda a: jax.device_put(a).astype(dt) if a.dtype != dt else jax.device_put(a), params)
+  def put(path, a):
+    dt = jnp.dtype(leaf_dtype(path[-1].key, dtype))
+    return jax.device_put(a).astype(dt) if a.dtype != dt else jax.device_put(a)
+
+  return jax.tree_util.tree_map_with_path(put, params)
 
 
 def _load_gguf_source(path, *, name, dtype, cache_dir, use_cache, expected_sha256=None) -> tuple:

@@ -302,6 +302,11 @@ def test_synthetic_gemma3_gguf(tmp_path):
   assert cfg.layer_windows[0] == 512 and cfg.rope_local_theta == 10000.0
   assert math.isclose(cfg.embed_scale, math.sqrt(H)) and math.isclose(cfg.attn_scale, d**-0.5)
   _check_against_hf(params, hf, L, norm_shift=1.0)  # effective multiplier 1 + w, used as is
+  _, p16 = load_gguf(path, dtype="bfloat16")  # norm weights stay float32: 1 + w in bfloat16 lost w's low bits
+  assert p16["layers"]["wq"].dtype.name == "bfloat16"
+  for name in ("input_norm", "q_norm", "post_mlp_norm"):
+    np.testing.assert_array_equal(p16["layers"][name], params["layers"][name])
+  np.testing.assert_array_equal(p16["final_norm"], params["final_norm"])
 
 
 def test_per_layer_metadata_arrays(tmp_path):

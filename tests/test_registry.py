@@ -54,14 +54,21 @@ def test_random_llama3_8b_shapes_and_bf16():
   assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 8192, 1.0, 4.0) and not cfg.tie_embeddings
   abstract = jax.eval_shape(lambda: random_params(cfg))  # 16 GB: shapes only here
   assert _shapes(abstract) == jax.tree.map(tuple, param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(abstract))
+  assert all(a.dtype == _leaf_dtype(path, "bfloat16") for path, a in jax.tree_util.tree_leaves_with_path(abstract))
   n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(abstract))
   assert 8.0e9 < n < 8.1e9
 
 
+def _leaf_dtype(path, dtype):
+  return jnp.float32 if jax.tree_util.keystr(path[-1:]).strip("[]'").endswith("norm") else jnp.dtype(dtype)
+
+
 def test_random_bf16_is_made_in_bf16():
+  """Every leaf bfloat16 but the norm weights, float32 in every model (models.config.leaf_dtype)."""
   m = load_model("random:tiny", dtype="bfloat16")
-  assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(m.params)) and m.cfg.dtype == "bfloat16"
+  leaves = jax.tree_util.tree_leaves_with_path(m.params)
+  assert all(a.dtype == _leaf_dtype(path, "bfloat16") for path, a in leaves) and m.cfg.dtype == "bfloat16"
+  assert {a.dtype for _, a in leaves} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
 
 
 def test_rope_scaling_override():
@@ -212,8 +219,8 @@ def test_param_cache_round_trip_and_mismatch(tmp_path):
   assert os.path.isdir(entry) and not [e for e in os.listdir(tmp_path / "params") if e.startswith(".")]
   cfg2, params2, extra = param_cache.load(key, cache_dir=tmp_path)
   assert cfg2 == cfg and extra == {"tokenizer": "{}", "note": 1}
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
-    assert b.dtype == jnp.bfloat16
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params2)):
+    assert b.dtype == _leaf_dtype(path, "bfloat16")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # Different dtype or source -> different key.
   assert key != param_cache.cache_key(name=cfg.name, source="test:1", dtype="float32")
