@@ -211,7 +211,6 @@ def test_bad_options_are_refused(name, options, message):
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("quest", dict(page_size=24), "page_size=24"),  # capacity 256
     ("quest", dict(dense_layers=(2,)), "dense_layers"),  # 2 layers
     ("streaming", dict(dense_layers=(0, 5)), "dense_layers"),
 ])
