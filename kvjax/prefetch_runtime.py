@@ -89,7 +89,7 @@ def successor_ids(found, stored, count: int, age=None):
   start = found if age is None else found + age[..., None]
   ids = start[..., None] + np.arange(1, count + 1)
   ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
-  return np.where(ok, ids, -1).reshape(*found.shape[:-1], -1)
+  return np.where(ok, ids, -1).reshape(*found.shape[:-1], found.shape[-1] * count)  # (-1 fails on 0 layers)
 
 
 def span_ids(starts, stored, span: int):
@@ -98,7 +98,7 @@ def span_ids(starts, stored, span: int):
   starts [T, B, Hq, p], stored [T, B] -> [T, B, Hq, p * span]."""
   ids = starts[..., None] + np.arange(span)
   ok = (starts[..., None] >= 0) & (ids < stored[:, :, None, None, None])
-  return np.where(ok, ids, -1).reshape(*starts.shape[:-1], -1)
+  return np.where(ok, ids, -1).reshape(*starts.shape[:-1], starts.shape[-1] * span)
 
 
 def layer_rows(layers) -> slice | np.ndarray:
@@ -415,7 +415,10 @@ class PrefetchRuntime(HostRuntime):
     drift = group_mean_cosine(queries[rows].reshape(T * B, Hq, -1), self._last_query[rows].reshape(T * B, Hq, -1),
                                Hq // G).reshape(T, B, Hq // G) < self.tau
     period = max(1, self.tail_slots // 2)
-    due = (np.arange(T * B * (Hq // G)).reshape(T, B, Hq // G) + self._exchanges) % period == 0
+    # The phase counts (layer, group), not the sequence: a sequence's refreshes, and so its tokens,
+    # do not depend on its place in the batch (batch-1 and batch-N runs of it agree).
+    due = np.broadcast_to((np.arange(T * (Hq // G)).reshape(T, 1, Hq // G) + self._exchanges) % period == 0,
+                          (T, B, Hq // G))
     unseen = (stored[..., None] - self._seen[rows]).reshape(T, B, Hq // G, G).max(axis=-1)
     redo = drift | due | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
     self.stats.corrected_groups += int(redo.sum())

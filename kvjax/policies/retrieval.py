@@ -74,6 +74,12 @@ class RetrievalState:
   # (DenseLayersMixin.prefill_slots); cleared by finish_prefill.
   staged: bool = flax.struct.field(pytree_node=False, default=False)
 
+  @property
+  def decoding(self) -> bool:
+    """Static: finish_prefill empties train_q (M >= 1 before). Not the chunk's length: a
+    prefill chunk of one token took the decode path (host rows attended, no dense cache written)."""
+    return self.train_q.shape[3] == 0
+
 
 def _train_topk(
     queries,  # [Hq, M, D]: the prompt's training queries
@@ -532,7 +538,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # -- attention -------------------------------------------------------------------------
 
   def attend(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    if q.shape[1] > 1:
+    if not state.decoding:
       return self._prefill(cfg, layer, q, k, v, positions, state)
     retrieve = self._retrieve if self.bridge == "per_layer" else self._retrieve_prefetched
     return self.dense_or_sparse(cfg, layer, lambda slot, st: self._dense_decode(cfg, layer, slot, q, k, v, positions, st),
@@ -614,7 +620,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     rings at once after the layers' writes (its slot is not the new token's). Read inside each
     layer before that layer's write, it made XLA copy the whole [L, ...] rings every layer
     (~218 MB a layer at 8B shapes; tests/test_retrieval_per_step.py)."""
-    if self.bridge != "per_step" or positions.shape[1] != 1:
+    if self.bridge != "per_step" or not state.decoding:
       return state
     pos = positions[:, 0]  # [B]
     evicted_k, evicted_v, evicted_q, evicted_pos = self._evicted(state, slice(None), pos)  # [B, L, ...]
