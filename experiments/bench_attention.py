@@ -340,10 +340,9 @@ def main():
                used_as_ceiling=name == copy_name) for name, (bw, t) in copies.items()]
   def save():
     os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "bench_attention.json"), "w") as f:
-      json.dump(dict(meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out_dir, "bench_attention.md"), "w") as f:
-      f.write(to_markdown(meta, rows))
+    results_io.write_text_atomic(os.path.join(args.out_dir, "bench_attention.json"),
+                                 json.dumps(dict(meta, rows=rows), indent=1))
+    results_io.write_text_atomic(os.path.join(args.out_dir, "bench_attention.md"), to_markdown(meta, rows))
 
   if args.sweep:
     sweep = [(131072, 1, [dict(block_k=bk, num_stages=st, num_splits=ns)

@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float16")
     p.add_argument("--kinds", default="flat,ivf,graph,roar")
     p.add_argument("--topk", default="100,2000")
-    p.add_argument("--ef_100", default="100,200,400", help="ef values for top-100 (ivf: nprobe)")
+    p.add_argument("--ef_100", default="100,200,400",
+                   help="ef values for top-100 (graph, roar; ivf probes nlist / 64, / 32 and / 16)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per config")
     p.add_argument("--train_frac", type=float, default=0.25,
                    help="training (prefill) queries per head, as a fraction of n_keys")
@@ -151,7 +152,7 @@ def bench_layer(args, rng, rows):
     K = np.stack(keys)  # [Hkv, n, d]
     V = rng.standard_normal(K.shape).astype(np.float32)
     Q = np.concatenate(queries, axis=1)  # [steps + 2, Hq, d], q head h -> kv head h // G
-    Kh = K.astype(np.float16).astype(np.float32)
+    Kh = stored_keys(K, args.dtype)  # the truth ranks the keys as the store holds them
     ks = [int(x) for x in args.topk.split(",")]
     # Exact top-k sets per (step, q head), computed once for every config.
     truth = {k: [[set(np.argpartition(-(Kh[h // G] @ Q[s, h]), k - 1)[:k].tolist())
@@ -213,21 +214,35 @@ def bench_layer(args, rng, rows):
                 print(json.dumps(row), flush=True)
 
 
-def environment(args):
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "host_index"],
-                               capture_output=True, text=True).stdout.strip()
-        commit = commit + ("+uncommitted" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        commit = "uncommitted"
-    try:
-        import jax
-        jax_version = jax.__version__
-        device = f"{os.cpu_count()} host cores; accelerator {jax.devices()[0].device_kind}"
-    except Exception:  # noqa: BLE001 - the bench runs without JAX too
-        jax_version, device = None, f"{os.cpu_count()} host cores"
+def stored_keys(keys, dtype: str):
+    """keys [Hkv, n, d] float32 as a store of `dtype` holds them, read back as float32."""
+    store = hi.HostContext(1, 1, keys.shape[0], keys.shape[0], keys.shape[2], dtype=dtype, kind="flat").store
+    store.append(0, 0, 0, keys, keys)
+    ids = np.arange(keys.shape[1])
+    return np.stack([store.to_float32(store.gather_rows(0, 0, h, ids)[0]) for h in range(keys.shape[0])])
+
+
+def environment(args, *, with_jax: bool):
+    """The stamp; the JAX version and accelerator only `with_jax` (after the timing: JAX's
+    device query starts threads of its own)."""
+    commit = os.environ.get("KVJAX_COMMIT")  # the GPU machine's checkout carries a stale .git
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                    check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+            commit = commit + ("-dirty" if dirty else "")
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    jax_version, device = None, f"{os.cpu_count()} host cores"
+    if with_jax:
+        try:
+            import jax
+            jax_version = jax.__version__
+            device += f"; accelerator {jax.devices()[0].device_kind}"
+        except Exception:  # noqa: BLE001 - the bench runs without JAX too
+            pass
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -265,12 +280,12 @@ def main(argv=None):
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     os.makedirs(args.out_dir, exist_ok=True)
-    doc = {"device": None, "jax": None, "commit": None, "date": None, "command": None}
+    doc = environment(args, with_jax=False)  # stamped from the start: a run cut short keeps its stamp
     rows = Rows(lambda: write(args.out_dir, doc))
     doc["rows"] = rows
     bench_builds(args, rng, rows)
     bench_layer(args, rng, rows)
-    doc.update(environment(args))  # after timing: JAX's device query starts its threads
+    doc.update(environment(args, with_jax=True))
     print(json.dumps({k: v for k, v in doc.items() if k != "rows"}), flush=True)
     write(args.out_dir, doc)
 
@@ -289,10 +304,12 @@ class Rows(list):
 
 
 def write(out_dir, doc):
-    with open(os.path.join(out_dir, "bench_host.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.join(out_dir, "bench_host.md"), "w") as f:
-        f.write(to_markdown(doc))
+    """Both files replaced atomically: a run killed mid-write keeps the previous rows."""
+    for name, text in (("bench_host.json", json.dumps(doc, indent=1)), ("bench_host.md", to_markdown(doc))):
+        path = os.path.join(out_dir, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ flags.DEFINE_enum("context", "real", ["real", "synthetic"],
 flags.DEFINE_enum("calibration", "text", ["text", "random"],
                   "Synthetic: calibrate on essay-like haystack text (models with a tokenizer) or random ids.")
 flags.DEFINE_integer("calibration_len", 8192, "Synthetic: tokens of the calibration prefill.")
-flags.DEFINE_integer("steps", 32, "Decode steps per policy.")
+flags.DEFINE_integer("steps", 32, "Tokens decoded per policy; >= 3, so that a timed step remains once the "
+                     "first decode step (it compiles) is dropped.", lower_bound=3)
 flags.DEFINE_string("dtype", "bfloat16", "Weight and KV dtype.")
 flags.DEFINE_string("index", "graph", "Host index of the retrieval policies.")
 flags.DEFINE_integer("retrieval_topk", 100, "Top-k of the retrieval policies.")
@@ -211,7 +212,7 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
     kernels += [dict(policy=key, context=length, batch=batch, **g) for g in groups]
   else:
     result = kvjax.decode(model, context, max_new_tokens=FLAGS.steps, stop_tokens=[], on_step=phases.on_step)
-  steps = max(1, len(result.decode_seconds) + 1)
+  steps = max(1, result.decode_steps)
   callbacks = result.policy_stats.get("callbacks", result.policy_stats.get("host_callbacks"))
   row = dict(model=model.cfg.name, devices=devices, policy=key, describe=result.policy, context_kind=FLAGS.context,
              context=length, batch=batch, lengths=",".join(map(str, lengths)) if FLAGS.ragged else None,
@@ -226,11 +227,13 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
 
 def summaries(rows: list[dict]) -> list[dict]:
   """Growth of decode_ms with the context (batch 1 where measured, else the smallest batch) and
-  the best tokens/s over the batches, per (devices, policy)."""
+  the best tokens/s over the batches, per (devices, policy, switch interval): rows of several
+  intervals once overwrote each other's growth."""
   ok = [r for r in rows if "decode_ms" in r]
   out = []
-  for devices, key in dict.fromkeys((r["devices"], r["policy"]) for r in ok):
-    mine = [r for r in ok if r["devices"] == devices and r["policy"] == key]
+  group = lambda r: (r["devices"], r["policy"], r.get("switch_interval"))
+  for devices, key, interval in dict.fromkeys(map(group, ok)):
+    mine = [r for r in ok if group(r) == (devices, key, interval)]
     batch = min(r["batch"] for r in mine)
     by_len = {r["context"]: r["decode_ms"] for r in mine if r["batch"] == batch}
     shortest = min(by_len)
@@ -239,7 +242,8 @@ def summaries(rows: list[dict]) -> list[dict]:
     for r in mine:
       if r["tokens_per_s"] > best.get(r["context"], (0, 0))[0]:
         best[r["context"]] = (r["tokens_per_s"], r["batch"])
-    out.append(dict(devices=devices, policy=key, growth_batch=batch, growth_from=shortest, **growth,
+    out.append(dict(devices=devices, policy=key, **({} if interval is None else dict(switch_interval=interval)),
+                    growth_batch=batch, growth_from=shortest, **growth,
                     **{f"best_tokens_per_s_{n}": f"{t} (batch {b})" for n, (t, b) in sorted(best.items())}))
   return out
 

@@ -341,7 +341,7 @@ def interpret(summaries: dict, ks, taus, roar: bool) -> str:
 def run(model_name, *, n, steps, text, layers, sinks, window, ks, taus, roar, train_queries, train_topk, threads,
         cache_dir, seed, name, out_dir, make_plot, model=None, log=print):
   """The whole study; returns (rows, summary rows, notes)."""
-  from experiments.results_io import write_results
+  from experiments.results_io import write_results, write_text_atomic
 
   t0 = time.perf_counter()
   data = recall.load_or_capture(model_name, n, decode_steps=steps, text=text, seed=seed, cache_dir=cache_dir,
@@ -408,7 +408,7 @@ def run(model_name, *, n, steps, text, layers, sinks, window, ks, taus, roar, tr
       "study_s": round(study_s, 1), "layers": layers, "ks": list(ks), "taus": list(taus), "sinks": sinks,
       "window": window, "scale": scale, "roar": roar, "threads": threads}
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
-  (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+  write_text_atomic(directory / f"{name}.json", json.dumps(doc, indent=1) + "\n")
   if make_plot:
     plot(summaries, ks, roar, directory / f"{name}.png",
          f"{meta['model']}, N={n}, {steps} decode steps: query drift and attention recovery")

@@ -878,7 +878,7 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
   """The whole real-vector study; returns (curve rows, summary rows, notes)."""
   for v in hub_variants:
     parse_hub_variant(v)
-  from experiments.results_io import write_results
+  from experiments.results_io import write_results, write_text_atomic
 
   t0 = time.perf_counter()
   data = load_or_capture(model_name, n, decode_steps=decode_steps, text=text, seed=seed, cache_dir=cache_dir,
@@ -950,7 +950,7 @@ def run_real(model_name, *, n, decode_steps, text, layers, sinks, window, kinds,
   doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {"study_s": round(study_s, 1)}
   doc["build"] = build_cost(rows)
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
-  (directory / f"{name}.json").write_text(json_text(doc))
+  write_text_atomic(directory / f"{name}.json", json_text(doc))
   if make_plot:
     plot(curves, kinds, directory / f"{name}.png",
          f"{meta['model']}, N={n} ({n_idx} indexed keys/head), recall@{k_top} vs scanned fraction")
@@ -966,7 +966,7 @@ def json_text(doc) -> str:
 
 def rerender(path, *, make_plot=True):
   """Remakes the summary, markdown and plot of a results JSON from its curve rows (no search)."""
-  from experiments.results_io import markdown_table
+  from experiments.results_io import markdown_table, write_text_atomic
 
   path = pathlib.Path(path)
   doc = json.loads(path.read_text())
@@ -985,10 +985,10 @@ def rerender(path, *, make_plot=True):
     elif "**Recall@100 at equal scanned fraction**" in notes:
       tables += equal_scan_markdown(curves, kinds, REAL_FRACS) + "\n"
     doc["notes"] = notes = head + tables + tail
-  path.write_text(json.dumps(doc, indent=1) + "\n")
+  write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
   header = f"# {path.stem}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date",
                                                                           "command"))
-  path.with_suffix(".md").write_text(header + f"\n{notes}\n\n" + markdown_table(own))
+  write_text_atomic(path.with_suffix(".md"), header + f"\n{notes}\n\n" + markdown_table(own))
   if make_plot:
     m = doc.get("meta", {})
     plot(curves, kinds, path.with_suffix(".png"),
@@ -1240,7 +1240,7 @@ def run_peers(model_name, *, n, decode_steps, text, layers, sinks, window, peers
               efs, nprobe_fracs, kk_queries, seed, cache_dir, name, out_dir, make_plot, threads=None,
               replay_queries=0, log=print):
   """Outside-reference curves on cached real vectors, set beside kvjax's own from `compare` (a recall JSON)."""
-  from experiments.results_io import write_results
+  from experiments.results_io import write_results, write_text_atomic
 
   data = load_or_capture(model_name, n, decode_steps=decode_steps, text=text, seed=seed, cache_dir=cache_dir)
   meta = data["meta"]
@@ -1297,7 +1297,7 @@ def run_peers(model_name, *, n, decode_steps, text, layers, sinks, window, peers
   doc["meta"] = {key: v for key, v in meta.items() if key != "from_cache"} | {
       "study_s": round(study_s, 1), "compare": str(compare), "layers": layers, "kinds": kinds}
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
-  (directory / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+  write_text_atomic(directory / f"{name}.json", json.dumps(doc, indent=1) + "\n")
   if make_plot:
     plot(both, kinds, directory / f"{name}.png",
          f"{meta['model']}, N={n} ({n_idx} keys/head): kvjax vs faiss / hnswlib, recall@{k_top}")
@@ -1356,7 +1356,7 @@ def main(argv):
   for mode, qs in (("Q->K", decode), ("K->K", kq)):
     rows += recall_rows(keys.astype(np.float16), qs, k=_K.value, kinds=[x for x in _KINDS.value if x != "flat"],
                         efs=efs, nprobes=nprobes, train_queries=train, mode=mode, label="synthetic")
-  from experiments.results_io import write_results
+  from experiments.results_io import write_results, write_text_atomic
 
   write_results(_NAME.value or "recall_synthetic", rows, out_dir=_OUT.value or None,
                 notes="Synthetic clustered vectors (host_index.synthetic): says nothing about real models.")

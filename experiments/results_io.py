@@ -59,7 +59,7 @@ def decode_fields(result) -> dict:
   the mean and the slowest step) and its two parts (the jitted step up to its token, the host
   work between steps), state bytes, and the policy's counters (seconds as ms per step, means
   over the steps)."""
-  steps = max(1, len(result.decode_seconds) + 1)
+  steps = max(1, result.decode_steps)
   row = dict(decode_ms=round(result.ms_per_token, 3), state_bytes=result.kv_bytes,
              peak_device_bytes=result.peak_device_bytes)
   if result.decode_seconds:  # a median hides spikes (a host thread running late, a store growing)
@@ -106,17 +106,25 @@ def write_results(name: str, rows: list[dict], *, out_dir: str | os.PathLike | N
   return write_document(name, doc, out_dir=out_dir)
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+  """Replaces `path` by `text` in one rename: studies rewrite their files after every sample so a
+  run cut short keeps them, and a kill in the middle of a plain rewrite left a truncated file."""
+  tmp = pathlib.Path(f"{path}.tmp{os.getpid()}")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
 def write_document(name: str, doc: dict, *, out_dir: str | os.PathLike | None = None) -> dict:
   """Writes a stamped document (rows, optional notes and summary) as <name>.json and <name>.md,
   as measured: also how a correction to a results file is written, its stamp kept."""
   directory = pathlib.Path(out_dir) if out_dir else RESULTS_DIR
   directory.mkdir(parents=True, exist_ok=True)
-  (directory / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+  write_text_atomic(directory / f"{name}.json", json.dumps(doc, indent=2) + "\n")
   header = f"# {name}\n\n" + "".join(f"- {k}: `{doc[k]}`\n" for k in ("device", "jax", "commit", "date", "command"))
   if doc.get("notes"):
     header += f"\n{doc['notes']}\n"
   body = markdown_table(doc["rows"])
   if doc.get("summary") is not None:
     body = "## Summary\n\n" + markdown_table(doc["summary"]) + "\n## Rows\n\n" + body
-  (directory / f"{name}.md").write_text(header + "\n" + body)
+  write_text_atomic(directory / f"{name}.md", header + "\n" + body)
   return doc
