@@ -149,8 +149,8 @@ class HostContext:
         roar_heads="query", else a KV head."""
         self.store._require_floats("HostContext.index")
         self.store._check(seq, layer)
-        if not 0 <= head < self.index_heads:
-            raise ValueError(f"head={head} out of range [0, {self.index_heads})")
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)) or not 0 <= head < self.index_heads:
+            raise ValueError(f"head={head!r} must be an int in [0, {self.index_heads})")
         return self._ix[seq][layer][head]
 
     def indexed(self, seq: int, layer: int) -> int:
@@ -241,7 +241,9 @@ class HostContext:
         quarter's) still come from the end of the prompt.
         """
         self.store._require_floats("HostContext.build_layer")
-        seqs = list(range(self.num_seqs)) if seqs is None else [int(s) for s in seqs]
+        seqs = list(range(self.num_seqs)) if seqs is None else _seq_list(seqs)
+        if len(set(seqs)) != len(seqs):  # two builds of one index, queued side by side
+            raise ValueError(f"seqs={seqs} names a sequence twice")
         Hq, Hkv = self.num_q_heads, self.store.num_kv_heads
         for name, arr, heads, kind in (("train_queries", train_queries, Hq, "q"), ("train_topk", train_topk, Hq, "q"),
                                        ("connect_candidates", connect_candidates, Hkv, "kv")):
@@ -509,7 +511,7 @@ class HostContext:
         B = q.shape[0]
         if q.shape[1] != self.num_q_heads:
             raise ValueError(f"queries {q.shape} must be [B, {self.num_q_heads}, {self.head_dim}]")
-        seqs = list(range(B)) if seqs is None else [int(s) for s in seqs]
+        seqs = list(range(B)) if seqs is None else _seq_list(seqs)
         if len(seqs) != B:
             raise ValueError(f"{len(seqs)} seqs for {B} query rows")
         if B == 0:
@@ -731,3 +733,8 @@ def _build_head(ix, n, h, G, train_queries, train_topk, candidates, threads) -> 
 def _covered(indexes) -> int:
     """Tokens every one of a (seq, layer)'s indexes covers (0 without indexes: raw16)."""
     return min((len(ix) for ix in indexes), default=0)
+
+
+def _seq_list(seqs) -> list[int]:
+    """Sequence ids as ints (checked in range by the store): floats and strings were read by int()."""
+    return [int(s) for s in _dtypes.int_array(seqs, "seqs").reshape(-1)]

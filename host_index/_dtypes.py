@@ -104,6 +104,18 @@ def check_ids(x, what: str, *, ndim: int) -> np.ndarray:
     return a
 
 
+def int_array(x, what: str) -> np.ndarray:
+    """x as an int64 array of any rank; an empty list passes (NumPy reads it as float64).
+
+    Raises:
+        TypeError: not an integer array (floats, bools).
+    """
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu" and a.size:
+        raise TypeError(f"{what}: dtype {a.dtype} is not an integer type")
+    return a.astype(np.int64, copy=False)
+
+
 def as_ids(x, what: str, *, ndim: int) -> np.ndarray:
     """A C-contiguous int64 copy/view of an integer array.
 

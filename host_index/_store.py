@@ -387,11 +387,21 @@ class KVStore:
         for name, o in (("out_k", out_k), ("out_v", out_v)):
             if o is None:
                 o = np.empty(shape, dt)
-            elif not (isinstance(o, np.ndarray) and o.shape == shape and o.dtype.itemsize == dt.itemsize
+            elif not (isinstance(o, np.ndarray) and o.shape == shape and self._holds_rows(o.dtype)
                       and o.flags.c_contiguous and o.flags.writeable):
-                raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}")
+                raise ValueError(f"{name} must be a writable C-contiguous {shape} array of {dt}"
+                                 f"{' (or ml_dtypes bfloat16)' if self.code == _dtypes.BF16 else ''}")
             outs.append(o)
         return outs
+
+    def _holds_rows(self, dtype: np.dtype) -> bool:
+        """Whether an output buffer of `dtype` takes the stored bits as they are: the storage dtype,
+        bfloat16 for a bfloat16 store (held as uint16), any 16-bit type for raw16. Checked by size
+        alone, float32 rows landed in an int32 buffer and bfloat16 bits in a float16 one."""
+        dt = _dtypes.STORAGE[self.code]
+        if self.code == _dtypes.RAW16:
+            return dtype.itemsize == 2
+        return dtype == dt or (self.code == _dtypes.BF16 and dtype.name == "bfloat16")
 
     def gather_rows(self, seq: int, layer: int, kv_heads, ids, *, out_k=None, out_v=None,
                     threads=None):
@@ -411,8 +421,8 @@ class KVStore:
                 outside [0, num_kv_heads); nothing is copied.
         """
         self._check(seq, layer)
-        i = np.asarray(ids, np.int64)
-        h = np.broadcast_to(np.asarray(kv_heads, np.int64), i.shape)
+        i = _dtypes.int_array(ids, "ids")  # floats were truncated (1.9 read row 1)
+        h = np.broadcast_to(_dtypes.int_array(kv_heads, "kv_heads"), i.shape)
         k, v = self.gather_rows_many([(seq, layer)], np.zeros(i.size, np.int64), h.reshape(-1), i.reshape(-1),
                                      out_k=out_k, out_v=out_v, threads=threads)
         return k.reshape(i.shape + (self.head_dim,)), v.reshape(i.shape + (self.head_dim,))

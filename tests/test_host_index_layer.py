@@ -398,3 +398,51 @@ def test_reserve_sizes_built_indexes_for_the_room(kind):
     assert len(ctx2.index(0, 0, 0)) == n + room and ctx2.index(0, 0, 0).nbytes == reserved
     with pytest.raises(ValueError, match="n="):
         ctx2.reserve(0, 0, -1)
+
+
+# -- values of the wrong type, once read by int() or by size  ----------------------------
+
+
+def test_ids_heads_seqs_and_buffers_of_the_wrong_type_are_refused():
+    ctx = make(build=False)
+    store = ctx.store
+    with pytest.raises(TypeError, match="ids"):
+        store.gather_rows(0, 0, 0, np.array([1.9]))  # read row 1
+    with pytest.raises(TypeError, match="kv_heads"):
+        store.gather_rows(0, 0, np.array([1.7]), np.array([1]))  # read head 1
+    with pytest.raises(TypeError, match="ids"):
+        store.gather_rows(0, 0, 0, np.array([True]))
+    k, _ = store.gather_rows(0, 0, 0, [])  # an empty list is not a float array
+    assert k.shape == (0, D)
+    with pytest.raises(ValueError, match="out_k"):  # float32 rows landed in an int32 buffer as bit patterns
+        store.gather_rows(0, 0, 0, np.array([1]), out_k=np.empty((1, D), np.int32),
+                          out_v=np.empty((1, D), np.float32))
+    with pytest.raises(TypeError, match="seqs"):
+        ctx.search(0, queries(), k=3, seqs=[1.9, 0])  # searched sequence 1
+    with pytest.raises(ValueError, match="names a sequence twice"):
+        ctx.build_layer(0, seqs=[0, 0])
+    with pytest.raises(ValueError, match="head=1.5"):
+        ctx.index(0, 0, 1.5)
+
+
+def test_bfloat16_rows_go_to_bfloat16_or_uint16_buffers_only():
+    import ml_dtypes
+
+    ctx = make(dtype="bfloat16", build=False)
+    k16, _ = ctx.store.gather_rows(0, 0, 0, np.array([0, 1]))
+    out = np.empty((2, D), ml_dtypes.bfloat16)
+    ctx.store.gather_rows(0, 0, 0, np.array([0, 1]), out_k=out, out_v=np.empty((2, D), np.uint16))
+    np.testing.assert_array_equal(out.view(np.uint16), k16)
+    with pytest.raises(ValueError, match="out_k"):  # bfloat16 bits read as float16 values
+        ctx.store.gather_rows(0, 0, 0, np.array([0]), out_k=np.empty((1, D), np.float16),
+                              out_v=np.empty((1, D), np.uint16))
+
+
+def test_key_neighbours_refuses_nan_and_takes_numpy_counts():
+    keys = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    np.testing.assert_array_equal(hi.key_neighbours(keys, np.int64(2)), hi.key_neighbours(keys, 2))
+    keys[3, 1] = np.nan  # made key 0 every key's nearest
+    with pytest.raises(ValueError, match="NaN"):
+        hi.key_neighbours(keys, 2)
+    with pytest.raises(TypeError, match="int64"):
+        hi.key_neighbours(np.ones((6, 4), np.int64), 2)
