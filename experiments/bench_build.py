@@ -1,4 +1,4 @@
-"""Where a context's index build time goes when it is scheduled three ways, side by side.
+"""Where a context's index build time goes when it is scheduled two ways, side by side.
 
     python experiments/bench_build.py --layers=24 --q_heads=14 --kv_heads=2 --head_dim=64 --keys=31360
 
@@ -104,6 +104,9 @@ def build_all(schedule: str, layers) -> tuple[host_index.HostContext, float]:
 
 def main(argv):
   del argv
+  bad = [s for s in FLAGS.schedules if s not in ("per_head", "queued")]
+  if bad:  # any other name ran the queued schedule under its own label
+    raise app.UsageError(f"--schedules: {bad} are not schedules (per_head, queued)")
   t = time.perf_counter()
   capture = dict(np.load(FLAGS.capture)) if FLAGS.capture else None
   retrieval.NEIGHBOURS_ON_CPU = FLAGS.candidates_on_cpu

@@ -292,6 +292,9 @@ def recall_rows(keys, queries, *, k, kinds, efs, nprobes, train_queries=None, tr
       train = {"train_topk": train_topk} if train_topk is not None else {"train_queries": train_queries}
     ix, build_s = build(keys, base, params, **train)
     efforts = {"flat": [None], "ivf": nprobes}.get(base, efs)
+    if base == "ivf":  # past nlist a probe count repeats the full scan under a new label
+      nlist = ix.params["nlist"] or int(4.0 * np.sqrt(len(ix)) + 0.5)
+      efforts = sorted({min(p, max(1, min(nlist, len(ix)))) for p in efforts})
     for ef in efforts:
       if ef is not None and base != "ivf" and ef < k:
         continue
