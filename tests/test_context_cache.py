@@ -209,7 +209,7 @@ def test_copy_takes_decode_options_and_refuses_the_rest():
                           policy_options=dict(index="flat", topk=6, **SMALL), prefill_chunk=16)
   spec = kvjax.decode(model, kvjax.copy_context(context, model, policy_options=dict(speculative=True, tau=1.0)),
                       max_new_tokens=12, return_logits=True)
-  assert spec.policy_stats["hit_rate"] is not None  # the copy decoded speculatively
+  assert spec.policy_stats["correction_rate"] == 1.0  # the copy decoded speculatively (tau 1 corrects every group)
   with pytest.raises(ValueError, match="window"):
     kvjax.copy_context(context, model, policy_options=dict(window=16))
   with pytest.raises(ValueError, match="made by model"):
