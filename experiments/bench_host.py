@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -36,6 +35,7 @@ import numpy as np
 
 import host_index as hi
 from host_index import _core
+import results_io
 
 
 def parse_args(argv=None):
@@ -225,16 +225,7 @@ def stored_keys(keys, dtype: str):
 def environment(args, *, with_jax: bool):
     """The stamp; the JAX version and accelerator only `with_jax` (after the timing: JAX's
     device query starts threads of its own)."""
-    commit = os.environ.get("KVJAX_COMMIT")  # the GPU machine's checkout carries a stale .git
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                    check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-            commit = commit + ("-dirty" if dirty else "")
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
+    commit = results_io.commit()  # KVJAX_COMMIT where given (the GPU machine's .git is stale)
     jax_version, device = None, f"{os.cpu_count()} host cores"
     if with_jax:
         try:
@@ -305,11 +296,8 @@ class Rows(list):
 
 def write(out_dir, doc):
     """Both files replaced atomically: a run killed mid-write keeps the previous rows."""
-    for name, text in (("bench_host.json", json.dumps(doc, indent=1)), ("bench_host.md", to_markdown(doc))):
-        path = os.path.join(out_dir, name)
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
+    results_io.write_text_atomic(os.path.join(out_dir, "bench_host.json"), json.dumps(doc, indent=1))
+    results_io.write_text_atomic(os.path.join(out_dir, "bench_host.md"), to_markdown(doc))
 
 
 if __name__ == "__main__":

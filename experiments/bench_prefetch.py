@@ -142,7 +142,7 @@ def main(argv):
       shipped.append(update.count)
       packed_bytes.append(update.packed.nbytes)
     base = 2 + FLAGS.steps
-    for i in range(base, base + FLAGS.steps):  # profiled apart: the profiler slowed the timed steps (~40% on insert)
+    for i in range(base, base + FLAGS.steps):  # profiled apart: under the profiler the timed steps ran slower
       profiler.enable()
       step(i)
       profiler.disable()

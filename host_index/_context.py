@@ -737,4 +737,4 @@ def _covered(indexes) -> int:
 
 def _seq_list(seqs) -> list[int]:
     """Sequence ids as ints (checked in range by the store): floats and strings were read by int()."""
-    return [int(s) for s in _dtypes.int_array(seqs, "seqs").reshape(-1)]
+    return [int(s) for s in _dtypes.as_ids(seqs, "seqs", ndim=None).reshape(-1)]

@@ -89,41 +89,32 @@ def as_f32(x, what: str, *, ndim: int, dim: int | None = None) -> np.ndarray:
     return np.ascontiguousarray(check_f32(x, what, ndim=ndim, dim=dim), dtype=np.float32)
 
 
-def check_ids(x, what: str, *, ndim: int) -> np.ndarray:
-    """x as an integer array of rank ndim (no copy).
+def check_ids(x, what: str, *, ndim: int | None) -> np.ndarray:
+    """x as an integer array of rank ndim (any rank for None; no copy).
 
     Raises:
-        TypeError: not an integer array.
+        TypeError: not an integer array (floats, bools).
         ValueError: wrong rank.
     """
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{what}: dtype {a.dtype} is not an integer type")
-    if a.ndim != ndim:
+    if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{what}: expected {ndim} dimensions, got shape {a.shape}")
     return a
 
 
-def int_array(x, what: str) -> np.ndarray:
-    """x as an int64 array of any rank; an empty list passes (NumPy reads it as float64).
-
-    Raises:
-        TypeError: not an integer array (floats, bools).
-    """
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu" and a.size:
-        raise TypeError(f"{what}: dtype {a.dtype} is not an integer type")
-    return a.astype(np.int64, copy=False)
-
-
-def as_ids(x, what: str, *, ndim: int) -> np.ndarray:
+def as_ids(x, what: str, *, ndim: int | None) -> np.ndarray:
     """A C-contiguous int64 copy/view of an integer array.
 
     Raises:
         TypeError: not an integer array.
         ValueError: wrong rank.
     """
-    return np.ascontiguousarray(check_ids(x, what, ndim=ndim), dtype=np.int64)
+    a = np.asarray(x)
+    if not a.size:  # an empty list: NumPy reads it as float64
+        a = a.astype(np.int64)
+    return np.ascontiguousarray(check_ids(a, what, ndim=ndim), dtype=np.int64)
 
 
 def positive_int(v, what: str, *, allow_zero: bool = False) -> int:

@@ -421,8 +421,8 @@ class KVStore:
                 outside [0, num_kv_heads); nothing is copied.
         """
         self._check(seq, layer)
-        i = _dtypes.int_array(ids, "ids")  # floats were truncated (1.9 read row 1)
-        h = np.broadcast_to(_dtypes.int_array(kv_heads, "kv_heads"), i.shape)
+        i = _dtypes.as_ids(ids, "ids", ndim=None)  # floats were truncated (1.9 read row 1)
+        h = np.broadcast_to(_dtypes.as_ids(kv_heads, "kv_heads", ndim=None), i.shape)
         k, v = self.gather_rows_many([(seq, layer)], np.zeros(i.size, np.int64), h.reshape(-1), i.reshape(-1),
                                      out_k=out_k, out_v=out_v, threads=threads)
         return k.reshape(i.shape + (self.head_dim,)), v.reshape(i.shape + (self.head_dim,))

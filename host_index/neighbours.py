@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from host_index import _dtypes
+
 
 def key_neighbours(keys, count: int, *, block: int = 2048) -> np.ndarray:
     """[N, count] int64: each key's `count` nearest other keys by L2 distance, nearest first
-    (-1 padded when N - 1 < count). keys: [N, D] float, finite; distances in float32."""
+    (-1 padded when N - 1 < count). keys: [N, D] float32 / float16 / bfloat16, finite."""
     if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
         raise ValueError(f"count={count!r} must be a positive int")
     count = int(count)
-    k = np.asarray(keys)
-    if k.dtype.kind != "f" and k.dtype.name != "bfloat16":
-        raise TypeError(f"keys: dtype {k.dtype} is not a float type")
-    if k.ndim != 2:
-        raise ValueError(f"keys: expected [N, D], got shape {k.shape}")
-    k = k.astype(np.float32)
-    if k.size and not np.isfinite(k).all():  # a NaN key made key 0 every key's nearest
-        raise ValueError("keys: contains NaN or inf")
+    if np.ndim(keys) != 2:
+        raise ValueError(f"keys: expected [N, D], got shape {np.shape(keys)}")
+    k = _dtypes.as_f32(keys, "keys", ndim=2)  # finite: a NaN key made key 0 every key's nearest
     n = k.shape[0]
     out = np.full((n, count), -1, np.int64)
     c = min(count, n - 1)

@@ -20,9 +20,7 @@ def integer(value, name: str, *, low: int | None = None, high: int | None = None
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
     raise ArgumentTypeError(f"{name}={value!r} must be an int")
   value = int(value)
-  if (low is not None and value < low) or (high is not None and value > high):
-    bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name}={value} must be {bounds}")
+  _check_bounds(value, name, low, high)
   return value
 
 
@@ -39,17 +37,25 @@ def real(value, name: str, *, low: float | None = None, high: float | None = Non
   value = float(value)
   if not math.isfinite(value):
     raise ValueError(f"{name}={value!r} must be finite")
-  if (low is not None and value < low) or (high is not None and value > high):
-    bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name}={value!r} must be {bounds}")
+  _check_bounds(value, name, low, high)
   return value
 
 
-def layer_ids(values, name: str) -> tuple[int, ...]:
-  """Sorted distinct layer ids (ints >= 0) from a sequence; a string is refused, not read digit by digit."""
+def _check_bounds(value, name: str, low, high) -> None:
+  if (low is not None and value < low) or (high is not None and value > high):
+    bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r} must be {bounds}")
+
+
+def layer_ids(values, name: str, *, distinct: bool = False) -> tuple[int, ...]:
+  """Sorted distinct layer ids (ints >= 0) from a sequence; a string is refused, not read digit by
+  digit. `distinct`: a repeated id is refused rather than merged."""
   if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
     raise ArgumentTypeError(f"{name}={values!r} must be a sequence of layer ids")
-  return tuple(sorted(set(integer(v, f"{name}[{i}]", low=0) for i, v in enumerate(values))))
+  ids = [integer(v, f"{name}[{i}]", low=0) for i, v in enumerate(values)]
+  if distinct and len(set(ids)) != len(ids):
+    raise ValueError(f"{name}={values!r} must be distinct non-negative layer ids")
+  return tuple(sorted(set(ids)))
 
 
 def token_ids(values, name: str) -> list[int]:

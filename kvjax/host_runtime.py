@@ -236,8 +236,8 @@ class HostRuntime:
     self._previous_query: dict[int, np.ndarray] = {}
     self._pending: dict[int, concurrent.futures.Future] = {}  # per layer: its background job
     self._unindexed_queries: dict[tuple[int, int], list] = {}  # (seq, layer): stored tokens' queries
-    self._used_ids: dict[int, np.ndarray] = {}
-    self._used_reused: dict[int, np.ndarray] = {}  # per layer [B, Hq] bool: the heads that reused a search
+    # Per layer: the ids [B, Hq, k] its last step used and which heads [B, Hq] reused a search for them.
+    self._used: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     self._executor = background_worker("kvjax-search", self.background_nice, self.worker_cores)
     self.id = register(self)
 
@@ -364,7 +364,6 @@ class HostRuntime:
       ids, scanned = self._search(layer, queries)
       self._count_scanned(scanned)
       correct = np.ones((B, Hkv), bool)
-      self._used_reused.pop(layer, None)
     else:
       ids, scanned = background  # ids of the previous query: the speculative selection
       self._count_scanned(scanned)  # that search (every head, on the background thread)
@@ -378,8 +377,7 @@ class HostRuntime:
     self.stats.corrected_groups += int(correct.sum())
     self.stats.speculated_groups += int((~correct).sum())
     o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))
-    self._used_ids[layer] = ids
-    self._used_reused[layer] = np.repeat(~correct, Hq // Hkv, axis=1)
+    self._used[layer] = (ids, np.repeat(~correct, Hq // Hkv, axis=1))
     self._previous_query[layer] = queries.copy()
     return o, lse
 
@@ -387,8 +385,8 @@ class HostRuntime:
     """Hit rate: the ids the heads that reused a search used at the previous step against that
     step's own search. A corrected head used that very search: scored, it counted a hit for every
     id (a run correcting every head reported 0.98)."""
-    used, reused = self._used_ids.get(layer), self._used_reused.get(layer)
-    if used is None or reused is None or not reused.any():
+    used, reused = self._used.get(layer, (None, None))
+    if used is None or not reused.any():
       return
     hits, total = reuse_hits(used[reused], fresh_ids[reused])
     self.stats.reused_hits += hits

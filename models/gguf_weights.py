@@ -466,7 +466,7 @@ def load_gguf_reader(reader: GGUFFile, *, dtype: str = "float32", name: str | No
       elif t.name == "output.weight":
         params["lm_head"] = np.ascontiguousarray(a.T, dtype=out_dtype)
       else:
-        params["final_norm"] = a.astype(np.float32)  # models.config.leaf_dtype
+        params["final_norm"] = a.astype(np_dtype(leaf_dtype("final_norm", dtype)))
       return
     if permute and key in heads_of:
       a = unpermute_qk(a, heads_of[key])

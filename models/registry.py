@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig, RopeScaling, leaf_dtype, param_shapes
+from models.config import DTYPES, ModelConfig, RopeScaling, is_norm, leaf_dtype, param_shapes
 from models.decoder import decode_layout
 from models.tokenizer import Tokenizer
 
@@ -156,10 +156,8 @@ def _random_tree_jit(frozen, dtype, std, key):
   keys = jax.random.split(key, len(flat))
   leaves = []
   for (path, shape), k in zip(flat, keys):
-    if "norm" in jax.tree_util.keystr(path[-1:]):
-      leaves.append(jnp.ones(shape, jnp.float32))  # models.config.leaf_dtype
-    else:
-      leaves.append(jax.random.normal(k, shape, dtype) * jnp.asarray(std, dtype))
+    dt = jnp.dtype(leaf_dtype(path[-1].key, jnp.dtype(dtype).name))
+    leaves.append(jnp.ones(shape, dt) if is_norm(path[-1].key) else jax.random.normal(k, shape, dt) * jnp.asarray(std, dt))
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -420,8 +418,8 @@ def load_model(
     ValueError: unknown name (listing the known ones), a missing package (with the pip
       command), or a bad file.
   """
-  if dtype not in ("float32", "bfloat16", "float16"):
-    raise ValueError(f"unsupported {dtype=}; expected float32, bfloat16 or float16")
+  if dtype not in DTYPES:
+    raise ValueError(f"unsupported {dtype=}; expected one of {DTYPES}")
   if layout not in LAYOUTS:
     raise ValueError(f"unsupported {layout=}; expected one of {LAYOUTS}")
   key = os.fspath(name_or_path)

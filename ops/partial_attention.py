@@ -304,12 +304,12 @@ def _check_disjoint(starts, lengths, starts2, lengths2) -> None:
   twice, the XLA path and the reference once."""
   if starts2 is None:
     return
-  values = [_checks.concrete_value(x) for x in (starts, lengths, starts2, lengths2)]
-  if any(x is None for x in values[1:]) or (starts is not None and values[0] is None):
+  values = [np.zeros((), np.int64) if starts is None else _checks.concrete_value(starts)]
+  values += [_checks.concrete_value(x) for x in (lengths, starts2, lengths2)]
+  if any(x is None for x in values):  # traced
     return
-  s1 = np.zeros_like(values[1]) if starts is None else values[0]
-  e1, s2, e2 = values[1:]
-  overlap = (np.maximum(s1, s2) < np.minimum(e1, e2))
+  s1, e1, s2, e2 = np.broadcast_arrays(*values)
+  overlap = np.maximum(s1, s2) < np.minimum(e1, e2)
   if overlap.any():
     b = int(np.argmax(overlap))
     raise ValueError(f"sequence {b}: [starts, lengths) = [{s1[b]}, {e1[b]}) overlaps [starts2, lengths2) = "

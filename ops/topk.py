@@ -28,7 +28,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 
 from ops import _checks
 
@@ -136,11 +135,10 @@ def _prepare(queries, keys, k, key_lengths):
   else:
     key_lengths = _checks.index_array(key_lengths)
     _checks.check_int("key_lengths", key_lengths)
-    if key_lengths.ndim == 0:
-      key_lengths = (jnp if isinstance(key_lengths, jax.Array) else np).broadcast_to(key_lengths, (kv_heads,))
-    _checks.check_shape("key_lengths", key_lengths, (kv_heads,), "[kv_heads] or scalar")
+    if key_lengths.ndim:
+      _checks.check_shape("key_lengths", key_lengths, (kv_heads,), "[kv_heads] or scalar")
     _checks.check_range("key_lengths", key_lengths, 0, num_keys)
-  return jnp.asarray(key_lengths, jnp.int32)
+  return jnp.broadcast_to(jnp.asarray(key_lengths, jnp.int32), (kv_heads,))
 
 
 def _blocks(q_heads: int, num_keys: int, block_q, block_n) -> tuple[int, int]:

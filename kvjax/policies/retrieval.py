@@ -295,27 +295,19 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def __post_init__(self):
     if self.index not in INDEX_KINDS:
       raise ValueError(f"index={self.index!r}; expected one of {INDEX_KINDS}")
-    # Types first (bool is an int; 100.0 would fail deep in a shape): the ranges follow.
-    for field in ("topk", "window", "train_queries", "train_topk", "sinks", "tail_slots", "successor_sources", "lag"):
-      checks.integer(getattr(self, field), field)
-    for field in ("ef", "successors", "index_threads", "reserved_cores"):
+    # Types and ranges (bool is an int; 100.0 would fail deep in a shape); the others' ranges below.
+    for field in ("topk", "window", "train_queries", "train_topk", "tail_slots"):
+      checks.integer(getattr(self, field), field, low=1)
+    checks.integer(self.sinks, "sinks", low=0)
+    checks.integer(self.successor_sources, "successor_sources", low=1)
+    checks.integer(self.lag, "lag")
+    for field, low in (("ef", 1), ("successors", 0), ("index_threads", None), ("reserved_cores", None)):
       if getattr(self, field) is not None:
-        checks.integer(getattr(self, field), field)
+        checks.integer(getattr(self, field), field, low=low)
     checks.boolean(self.speculative, "speculative")
-    checks.real(self.tau, "tau")
-    for field in ("topk", "window", "train_queries", "train_topk"):
-      if getattr(self, field) < 1:
-        raise ValueError(f"{field}={getattr(self, field)} must be >= 1")
-    if self.sinks < 0:
-      raise ValueError(f"sinks={self.sinks} must be >= 0")
-    if not 0.0 <= self.tau <= 1.0:
-      raise ValueError(f"tau={self.tau} must be in [0, 1]")
-    if self.ef is not None and self.ef < 1:
-      raise ValueError(f"ef={self.ef} must be >= 1")
+    checks.real(self.tau, "tau", low=0.0, high=1.0)
     if self.bridge not in BRIDGES:
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
-    if self.tail_slots < 1:
-      raise ValueError(f"tail_slots={self.tail_slots} must be >= 1")
     if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
@@ -324,18 +316,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       host_runtime.worker_cores(self.reserved_cores)
     if self.successors is None:  # lag 2's selection is two positions (or more) behind a copying head
       object.__setattr__(self, "successors", 2 * self.lag if self.bridge == "per_step" else 0)
-    if self.successors < 0:
-      raise ValueError(f"successors={self.successors} must be >= 0")
     if self.successors and self.bridge != "per_step":
       raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
-    if self.successor_sources < 1:
-      raise ValueError(f"successor_sources={self.successor_sources} must be >= 1")
     for field, low in (("pinned", 0), ("pinned_span", 1), ("pinned_window", 1)):
-      value = getattr(self, field)
-      if field == "pinned" and value is None:
-        continue
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{field}={value!r} must be an int >= {low}")
+      if getattr(self, field) is not None:  # pinned None: the default
+        checks.integer(getattr(self, field), field, low=low)
     if self.pinned is not None and self.pinned > self.topk:
       raise ValueError(f"pinned={self.pinned} must not exceed topk={self.topk}: the pinned ids are a search's best")
     if self.pinned and self.bridge != "per_step":

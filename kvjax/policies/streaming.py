@@ -51,12 +51,7 @@ class StreamingKVCache:
 
 def normalize_dense_layers(dense_layers) -> tuple[int, ...]:
   """Returns dense_layers as a sorted tuple of distinct non-negative ints, or raises."""
-  if isinstance(dense_layers, (str, bytes)) or not hasattr(dense_layers, "__iter__"):
-    raise checks.ArgumentTypeError(f"dense_layers={dense_layers!r} must be a sequence of layer ids")
-  layers = tuple(checks.integer(i, f"dense_layers[{k}]") for k, i in enumerate(dense_layers))
-  if any(i < 0 for i in layers) or len(set(layers)) != len(layers):
-    raise ValueError(f"dense_layers={dense_layers!r} must be distinct non-negative layer ids")
-  return tuple(sorted(layers))
+  return checks.layer_ids(dense_layers, "dense_layers", distinct=True)
 
 
 def check_dense_layers_fit(cfg: ModelConfig, dense_layers: tuple[int, ...]) -> None:
