@@ -361,10 +361,14 @@ class HostRuntime:
     Hkv = self.context.num_kv_heads
     previous = self._previous_query.get(layer)
     if previous is None or background is None:
+      # No earlier query or search to reuse (the layer's first step): searched, but no
+      # speculation was decided, so neither a reuse nor a correction is counted (as freekv).
       ids, scanned = self._search(layer, queries)
       self._count_scanned(scanned)
       correct = np.ones((B, Hkv), bool)
+      forced = True
     else:
+      forced = False
       ids, scanned = background  # ids of the previous query: the speculative selection
       self._count_scanned(scanned)  # that search (every head, on the background thread)
       self._score_reuse(layer, ids)
@@ -374,8 +378,9 @@ class HostRuntime:
         fresh, fresh_scanned = self._search(layer, queries, heads=heads)
         ids = np.where(heads[..., None], fresh, ids)
         self._count_scanned(fresh_scanned[heads])  # and the corrections' own searches
-    self.stats.corrected_groups += int(correct.sum())
-    self.stats.speculated_groups += int((~correct).sum())
+    if not forced:
+      self.stats.corrected_groups += int(correct.sum())
+      self.stats.speculated_groups += int((~correct).sum())
     o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))
     self._used[layer] = (ids, np.repeat(~correct, Hq // Hkv, axis=1))
     self._previous_query[layer] = queries.copy()

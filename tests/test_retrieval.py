@@ -191,16 +191,18 @@ def test_speculative_small_topk_reports_rates():
 def test_speculative_counts_every_search_it_makes(tau):
   """Per layer and step: the background search made with the previous query (every head) and
   each corrected group's own search; a layer's first step searches once, synchronously, and
-  counts every group as corrected. (Before, a step without corrections counted its heads as
-  searched with 0 keys scanned, and the background searches' scans were dropped.)"""
+  decides nothing: it counts neither as a reuse nor as a correction (as freekv; it counted as
+  corrected before, biasing short decodes). (Earlier still, a step without corrections counted
+  its heads as searched with 0 keys scanned, and the background searches' scans were dropped.)"""
   model = tiny_model("llama")
   spec = run(model, random_prompt(60, seed=4), index="flat", topk=4, speculative=True, tau=tau, **SMALL)
   stats, cfg = spec.policy_stats, model.cfg
   group = cfg.num_heads // cfg.num_kv_heads  # batch 1
   first_step_groups = cfg.num_layers * cfg.num_kv_heads
-  later_corrections = stats["corrected_groups"] - first_step_groups
-  assert (later_corrections == stats["callbacks"] * cfg.num_kv_heads - first_step_groups) == (tau == 1.0)
-  assert stats["searched_heads"] == stats["callbacks"] * cfg.num_heads + later_corrections * group
+  decided = stats["speculated_groups"] + stats["corrected_groups"]
+  assert decided == stats["callbacks"] * cfg.num_kv_heads - first_step_groups
+  assert (stats["corrected_groups"] == decided) == (tau == 1.0)
+  assert stats["searched_heads"] == stats["callbacks"] * cfg.num_heads + stats["corrected_groups"] * group
   assert stats["scanned"] >= stats["searched_heads"] * 4  # a flat search scans every stored key (>= topk)
 
 
