@@ -17,18 +17,18 @@ from kvjax.sampling import SamplingConfig
 def load_model(name_or_path: str = "smollm2", *, devices: int | None = None, **kwargs):
   """Loads a model by name or path (see models.registry.load_model).
 
-  devices: shard the KV heads (and the weights, tensor-parallel) over this many local devices
-    (kvjax.sharding); None or 1 keeps the model on one device. A count that does not divide
+  devices: shard the KV heads (and the weights, tensor-parallel) over this many local devices,
+    or these jax.Devices (kvjax.sharding); None or 1 keeps the model on one device. A count that does not divide
     the model's KV heads is a ValueError naming both numbers.
   """
   from models.registry import load_model as _load
 
-  model = _load(name_or_path, **kwargs)
-  if devices is not None and devices > 1:
-    from kvjax.sharding import shard_model
+  if devices is not None:  # checked before the weights load
+    from kvjax.sharding import check_devices, shard_model
 
-    return shard_model(model, devices)
-  return model
+    devices = check_devices(devices)
+  model = _load(name_or_path, **kwargs)
+  return model if devices is None else shard_model(model, devices)
 
 
 __all__ = [

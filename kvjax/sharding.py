@@ -26,8 +26,9 @@ computed outside the shard_map, gather the vocabulary-sharded `lm_head` output w
 
 The policy hooks that run outside jit (`begin_prefill`, `finish_prefill`, `check`, `stats`,
 release) run on each device's slice of the state in turn (`split_state` / `join_state`) with the
-per-device config; `stats` sums integer counters over devices and averages the rest (rates,
-seconds), with the per-device dicts under "devices".
+per-device config; `stats` merges the devices' counters as the policy says (`merge_device_stats`:
+counts, bytes and host seconds summed, rates and per-step figures computed again from the sums),
+with the per-device dicts under "devices".
 
 `after_step` runs the same way, so retrieval's bridge="per_step" works per device too: each
 device's runtime stores, searches and gathers for its own heads between steps.
@@ -57,6 +58,19 @@ from models.tensor_parallel import HEADS, check_shardable, local_config, partiti
 
 HEAD_AXIS = 2  # [layers, batch, heads, ...]: the policies' state convention
 PER_DEVICE_FIELDS = ("runtime_id", "status")  # scalars of a host-backed policy, one per device
+
+
+def check_devices(devices):
+  """`devices` as a positive int or a list of distinct jax.Device; TypeError / ValueError naming it."""
+  if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+    if devices < 1:
+      raise ValueError(f"devices={devices}; expected a count >= 1")
+    return int(devices)
+  if not isinstance(devices, (list, tuple)) or not all(isinstance(d, jax.Device) for d in devices):
+    raise TypeError(f"devices={devices!r}; expected a count or a list of jax.Device")
+  if not devices or len(set(devices)) != len(devices):
+    raise ValueError(f"devices={list(devices)}; expected distinct devices, at least one")
+  return list(devices)
 
 
 def head_mesh(devices: int | list) -> Mesh:
@@ -89,12 +103,18 @@ class ShardedModel:
 def shard_model(model, devices: int | list):
   """`model` (anything with cfg, params, tokenizer) with its weights sharded over `devices`.
 
-  One device returns `model` unchanged: the unsharded path. Raises ValueError when the device
-  count does not divide the KV heads (or the MLP width), naming both.
+  devices: a count (the first local devices) or a list of distinct jax.Device. One device
+  returns `model` unchanged: the unsharded path (a single listed device must be the default
+  one: the model stays where it was loaded). Raises ValueError when the device count does not
+  divide the KV heads (or the MLP width), naming both.
   """
+  devices = check_devices(devices)
   count = devices if isinstance(devices, int) else len(devices)
   check_shardable(model.cfg, count)
   if count == 1:
+    if not isinstance(devices, int) and devices[0] != jax.devices()[0]:
+      raise ValueError(f"devices={devices}: one device other than the default {jax.devices()[0]}; "
+                       "load the model there (jax.default_device) instead")
     return model
   mesh = head_mesh(devices)
   params = shard_params(model.params, model.cfg, mesh)
@@ -268,10 +288,15 @@ class ShardedPolicy(AttentionPolicy):
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype):
     local = self.local_cfg(cfg)
     states = []
-    for device in self.mesh.devices.flat:
-      with jax.default_device(device):  # each device's share is made in place, never gathered
-        states.append(self.inner.init_state(local, batch, capacity, dtype))
-    return join_state(states, self.mesh)
+    try:
+      for device in self.mesh.devices.flat:
+        with jax.default_device(device):  # each device's share is made in place, never gathered
+          states.append(self.inner.init_state(local, batch, capacity, dtype))
+      return join_state(states, self.mesh)
+    except BaseException:  # a later device failed (out of memory): nothing else holds the earlier runtimes
+      for made in states:
+        self.inner.release_fn(made)()
+      raise
 
   def begin_prefill(self, cfg, state, prompt_lengths):
     local = self.local_cfg(cfg)
@@ -312,21 +337,12 @@ class ShardedPolicy(AttentionPolicy):
     return join_state([b if s is None else s for s, b in zip(again, befores)], self.mesh)
 
   def stats(self, state) -> dict:
-    """Integer counters summed over devices, other numbers averaged; per device under "devices"."""
+    """The inner policy's stats merged over the devices (its `merge_device_stats`: counters
+    summed, rates and per-step figures computed again from the sums); per device under "devices"."""
     per_device = self._per_device(self.inner.stats, state)
     if not any(per_device):
       return {}
-    merged = {}
-    for key in per_device[0]:
-      values = [d[key] for d in per_device]
-      if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
-        merged[key] = int(sum(values))
-      elif all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in values):
-        merged[key] = float(np.mean(values))
-      else:
-        merged[key] = values[0] if all(v == values[0] for v in values) else values
-    merged["devices"] = per_device
-    return merged
+    return self.inner.merge_device_stats(per_device) | {"devices": per_device}
 
   def release_fn(self, state):
     releases = self._per_device(self.inner.release_fn, state)

@@ -87,6 +87,20 @@ def greedy_ambiguous(logits, tol: float) -> np.ndarray:
   return (top2[..., 1] - top2[..., 0]) <= tol
 
 
+def host_calls(stats: dict) -> int | None:
+  """Host callbacks plus per_step exchanges (retrieval counts its exchanges as callbacks, freekv
+  apart); None for a device-only policy."""
+  if not stats:
+    return None
+  return stats.get("callbacks", stats.get("host_callbacks", 0)) + stats.get("host_exchanges", 0)
+
+
+def per_step_summed(stats: dict) -> bool:
+  """Each merged per-step figure is the devices' sum (each recalls its own heads' pages every step)."""
+  per_device = stats.get("devices", [])
+  return all(np.isclose(v, sum(d[k] for d in per_device)) for k, v in stats.items() if k.endswith("_per_step"))
+
+
 def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
   model_kw, gen_kw = CASES[name]
   model = tiny(**model_kw)
@@ -108,11 +122,12 @@ def run_case(name: str, device_counts=(2, 4), tol: float = 1e-4) -> list[dict]:
       first_ambiguous = int(np.argmax(ambiguous[:, b])) if ambiguous[:, b].any() else STEPS
       k = min(first_ambiguous, len(ref.tokens[b]))
       tokens_equal &= out.tokens[b][:k] == ref.tokens[b][:k]
-    stats = out.policy_stats
+    stats, ref_stats = out.policy_stats, ref.policy_stats
     rows.append(dict(case=name, devices=n, max_abs=float(diff.max()), tokens_equal=bool(tokens_equal),
                      ambiguous_steps=int(ambiguous.sum()), seconds=round(seconds, 2),
-                     callbacks=stats.get("callbacks", stats.get("host_callbacks")),
-                     ref_callbacks=ref.policy_stats.get("callbacks", ref.policy_stats.get("host_callbacks")),
+                     host_calls=host_calls(stats), ref_host_calls=host_calls(ref_stats),
+                     decode_steps=stats.get("decode_steps"), ref_decode_steps=ref_stats.get("decode_steps"),
+                     per_step_summed=per_step_summed(stats),
                      runtimes_left=len(host_runtime._RUNTIMES), policy=out.policy))
     print(json.dumps(rows[-1]), flush=True)
   return rows

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -62,11 +63,22 @@ def test_sharded_decode_equals_unsharded(sharded_rows):
 
 def test_one_host_exchange_per_layer_or_step_per_device(sharded_rows):
   sharded_rows = _decode_rows(sharded_rows)
-  host_backed = [r for r in sharded_rows if r["ref_callbacks"] is not None]
+  host_backed = [r for r in sharded_rows if r["ref_host_calls"] is not None]
   assert {r["case"] for r in host_backed} == {"retrieval_gemma3_fused", "retrieval_per_step_lag2",
                                               "retrieval_per_step_lag0", "freekv", "freekv_per_step_lag2_keys2_int8"}
   for row in host_backed:
-    assert row["callbacks"] == row["devices"] * row["ref_callbacks"], row
+    assert row["ref_host_calls"] > 0, row  # freekv per_step: exchanges, not callbacks (0 == 0 passed before)
+    assert row["host_calls"] == row["devices"] * row["ref_host_calls"], row
+
+
+def test_sharded_stats_merge_per_policy(sharded_rows):
+  """The step count is the decode's, not the devices' sum; per-step figures add up each device's
+  heads (they were averaged before, and freekv's decode_steps doubled on two devices)."""
+  freekv_rows = [r for r in _decode_rows(sharded_rows) if r["case"].startswith("freekv")]
+  assert len(freekv_rows) == 2
+  for row in freekv_rows:
+    assert row["decode_steps"] == row["ref_decode_steps"] > 0, row
+    assert row["per_step_summed"], row
 
 
 def test_saved_sharded_context_decodes_token_for_token(sharded_rows):
@@ -138,3 +150,51 @@ def test_decode_refuses_a_context_from_other_devices():
   context = kvjax.prefill(model, [1, 2, 3], max_new_tokens=2)
   with pytest.raises(ValueError, match="prefilled on one device but the model is on 1 devices"):
     kvjax.decode(sharded, context, max_new_tokens=2)
+
+
+def test_freekv_merges_device_stats_from_its_counters():
+  """Rates from the summed counters (not a mean of rates), per-step figures summed, the step
+  count kept, the slowest exchange the slowest device's."""
+  from kvjax.freekv_host import FreeKVStats
+  from kvjax.policies.freekv import FreeKVAttention, _stats_dict
+
+  a = FreeKVStats(exchanges=4, decided_heads=2, corrected_heads=1, sync_pages=8, page_bytes=64, slowest_exchange_ms=3.0)
+  b = FreeKVStats(exchanges=4, decided_heads=8, corrected_heads=0, sync_pages=4, page_bytes=64, slowest_exchange_ms=5.0)
+  merged = FreeKVAttention().merge_device_stats([_stats_dict(a, 4, 100), _stats_dict(b, 4, 300)])
+  assert merged["decode_steps"] == 4
+  assert merged["correction_rate"] == 1 / 10  # a mean of the devices' rates would say 0.25
+  assert merged["recalled_pages_per_step"] == 3.0 and merged["recalled_bytes_per_step"] == 3.0 * 64
+  assert merged["host_slowest_exchange_ms"] == 5.0 and merged["host_page_bytes"] == 64
+  assert merged["resident_bytes"] == 400 and merged["host_exchanges"] == 8
+  with pytest.raises(ValueError, match="step counts"):
+    FreeKVAttention().merge_device_stats([_stats_dict(a, 4, 100), _stats_dict(b, 5, 300)])
+
+
+def test_retrieval_merges_device_stats_from_its_counters():
+  from kvjax.host_runtime import HostStats, PrefillTimes
+  from kvjax.policies.retrieval import RetrievalAttention
+
+  def stats(**counters):
+    return HostStats(**counters).as_dict() | PrefillTimes(offload=1.5).as_dict() | {"resident_bytes": 10}
+
+  merged = RetrievalAttention().merge_device_stats([
+      stats(callbacks=3, speculated_groups=1, corrected_groups=1, reused_hits=9, reused_total=10, repeated_steps=2),
+      stats(callbacks=3, speculated_groups=7, corrected_groups=1, reused_hits=1, reused_total=10, repeated_steps=1)])
+  assert merged["callbacks"] == 6 and merged["resident_bytes"] == 20 and merged["prefill_offload_s"] == 3.0
+  assert merged["correction_rate"] == 2 / 10 and merged["hit_rate"] == 10 / 20
+  assert merged["repeated_steps"] == 2
+
+
+@pytest.mark.parametrize("devices, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("2", TypeError),
+                                            (True, TypeError), ([], ValueError)])
+def test_bad_devices_are_refused_by_name(devices, error):
+  with pytest.raises(error, match="devices="):
+    shard_model(tiny_model("llama"), devices)
+  with pytest.raises(error, match="devices="):
+    kvjax.load_model("random:tiny", devices=devices)
+
+
+def test_a_device_listed_twice_is_refused():
+  device = jax.devices()[0]
+  with pytest.raises(ValueError, match="distinct"):
+    shard_model(tiny_model("llama"), [device, device])

@@ -14,6 +14,7 @@ are per-sequence or per-layer and identical on every device, except the host-bac
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from typing import Any
 
@@ -149,10 +150,36 @@ class AttentionPolicy(abc.ABC):
     """Counters of the run so far (host time, correction and hit rates...); {} if none."""
     return {}
 
+  def merge_device_stats(self, per_device: list[dict]) -> dict:
+    """One `stats` dict for a decode sharded over devices (kvjax.sharding), from each device's:
+    numbers summed (each device counts, stores and times its own heads; its host hooks run
+    one after another), other values kept where the devices agree. Policies whose stats hold
+    rates, per-step figures or maxima override it."""
+    merged = {}
+    for key in per_device[0]:
+      values = [d[key] for d in per_device]
+      if all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in values):
+        merged[key] = sum(values)
+      else:
+        merged[key] = values[0] if all(v == values[0] for v in values) else values
+    return merged
+
   def release_fn(self, state: Any):
     """A callable that frees the host resources of `state`; taken before the state is
     donated to a jitted step (donation invalidates its arrays)."""
     return lambda: None
+
+
+def merged_counters(cls, per_device: list[dict], prefix: str = "", maxima: tuple[str, ...] = (),
+                    shared: tuple[str, ...] = ()):
+  """A counters dataclass `cls` whose fields are read from each device's stats dict (as
+  `prefix + field`) and summed: `maxima` take the largest, `shared` (the same on every device,
+  as a page's size) the first device's."""
+  def merge(name):
+    values = [d[prefix + name] for d in per_device]
+    return max(values) if name in maxima else values[0] if name in shared else sum(values)
+
+  return cls(**{f.name: merge(f.name) for f in dataclasses.fields(cls)})
 
 
 class DenseLayersMixin:

@@ -116,7 +116,8 @@ import host_index
 import ops
 from kvjax import checks, freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import page_selection, page_summary
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
+from kvjax.policies.base import (AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, merged_counters,
+                                 set_layer)
 from kvjax.policies.full import DenseKVCache, resolve_implementation, write_and_attend, write_dense
 from kvjax.policies.retrieval import _rings_from_dense, attend_ring
 from models.config import ModelConfig
@@ -481,21 +482,18 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.drain()
     s = runtime.stats
     steps = s.exchanges if self.bridge == "per_step" else s.callbacks // max(1, runtime.sparse_layers)
-    per_step = lambda x: x / steps if steps else float("nan")
-    ratio = lambda a, b: a / b if b else float("nan")
-    recalled = s.sync_pages + s.spec_pages
-    return dict(
-        decode_steps=steps,
-        correction_rate=ratio(s.corrected_heads, s.decided_heads),
-        hit_rate=ratio(s.reused_hits, s.reused_pages),
-        recalled_pages_per_step=per_step(recalled),
-        sync_recalled_pages_per_step=per_step(s.sync_pages),
-        missed_pages_per_step=per_step(s.missed_pages),
-        recalled_bytes_per_step=per_step(recalled * s.page_bytes),
-        callback_bytes_per_step=per_step(s.callback_bytes),
-        transfer_bytes_per_step=per_step(s.transfer_bytes),
-        resident_bytes=runtime.context.nbytes,  # host store
-        **{f"host_{k}": v for k, v in s.as_dict().items()})
+    return _stats_dict(s, steps, runtime.context.nbytes)
+
+  def merge_device_stats(self, per_device: list[dict]) -> dict:
+    """Counters, bytes and seconds summed over the devices (each recalls and times its own
+    heads), the slowest exchange and wait the slowest of any device, the per-step figures and
+    rates computed again from the sums over the steps every device ran."""
+    steps = {d["decode_steps"] for d in per_device}
+    if len(steps) != 1:
+      raise ValueError(f"the devices ran different step counts {sorted(steps)}")
+    s = merged_counters(freekv_host.FreeKVStats, per_device, prefix="host_",
+                        maxima=("slowest_exchange_ms", "slowest_wait_ms"), shared=("page_bytes",))
+    return _stats_dict(s, steps.pop(), sum(d["resident_bytes"] for d in per_device))
 
   def offload_layer(self, cfg: ModelConfig, state: FreeKVState, layer: int) -> FreeKVState:
     """Fills `layer`'s rings from its written prompt and, for a sparse layer, moves the
@@ -836,3 +834,22 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     state = state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=state.pool_ids.at[layer].set(new_ids),
                           selection=state.selection.at[layer].set(sel_next), status=jnp.maximum(state.status, status))
     return o[:, None], state
+
+
+def _stats_dict(s: freekv_host.FreeKVStats, steps: int, resident_bytes: int) -> dict:
+  """FreeKVAttention.stats from the run's counters, its decode steps and the host store's bytes."""
+  per_step = lambda x: x / steps if steps else float("nan")
+  ratio = lambda a, b: a / b if b else float("nan")
+  recalled = s.sync_pages + s.spec_pages
+  return dict(
+      decode_steps=steps,
+      correction_rate=ratio(s.corrected_heads, s.decided_heads),
+      hit_rate=ratio(s.reused_hits, s.reused_pages),
+      recalled_pages_per_step=per_step(recalled),
+      sync_recalled_pages_per_step=per_step(s.sync_pages),
+      missed_pages_per_step=per_step(s.missed_pages),
+      recalled_bytes_per_step=per_step(recalled * s.page_bytes),
+      callback_bytes_per_step=per_step(s.callback_bytes),
+      transfer_bytes_per_step=per_step(s.transfer_bytes),
+      resident_bytes=resident_bytes,  # host store
+      **{f"host_{k}": v for k, v in s.as_dict().items()})

@@ -42,7 +42,8 @@ import numpy as np
 import host_index
 import ops
 from kvjax import checks, host_runtime, prefetch_runtime, row_update
-from kvjax.policies.base import AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, set_layer
+from kvjax.policies.base import (AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, merged_counters,
+                                 set_layer)
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
 
@@ -519,6 +520,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       runtime.settle()  # lag 2: the last step's prefetch may still be counting
     resident = {"resident_bytes": runtime.context.nbytes}  # store + indexes
     return runtime.stats.as_dict() | runtime.prefill_times.as_dict() | resident
+
+  def merge_device_stats(self, per_device: list[dict]) -> dict:
+    """Counters, bytes and seconds summed, the rates recomputed from the sums. repeated_steps
+    (lag 0) is the most any device repeated: a sharded step runs its second pass when any
+    device's rows changed, so the steps run twice can be more."""
+    stats = merged_counters(host_runtime.HostStats, per_device, maxima=("repeated_steps",))
+    summed = {k: sum(d[k] for d in per_device) for k in per_device[0] if k.startswith("prefill_")}
+    return stats.as_dict() | summed | {"resident_bytes": sum(d["resident_bytes"] for d in per_device)}
 
   # -- attention -------------------------------------------------------------------------
 
