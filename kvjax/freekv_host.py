@@ -38,8 +38,12 @@ class FreeKVStats:
     decided_heads: (layer, seq, kv head, step) where the correction test ran (speculative
       mode, every step after a layer's first).
     corrected_heads: of those, heads corrected synchronously.
-    reused_pages: pages of the previous step's selection, over decided heads.
-    reused_hits: of those, pages still in the current query's selection.
+    reused_pages: per_layer: pages of the previous step's selection, over decided heads;
+      per_step: pages the step attended from its pool (with lag 2 the selection of two steps
+      back), over decided heads.
+    reused_hits: of those, pages in the current query's selection (per_layer counts corrected
+      heads too: the overlap reuse would have kept; retrieval's hit rate scores only heads
+      that reused).
     missed_pages: pages of a head's selection it did not attend (per_layer: more missing than
       max_recall; per_step: pages the step's own query selected among those complete before it
       that were not resident, the cost of attending the previous step's selection).

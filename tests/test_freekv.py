@@ -616,3 +616,30 @@ def test_per_layer_counts_the_pages_its_first_step_could_not_recall():
   stats = result.policy_stats
   assert stats["decode_steps"] == 1 and stats["host_decided_heads"] == 0  # the one step is every layer's first
   assert stats["missed_pages_per_step"] > 0
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_per_step_hit_rate_scores_the_pool_the_step_attended(lag, monkeypatch):
+  """Reuse counters per (layer, seq, KV head): the pages the step attended (its pool, as the
+  step saw it: with lag 2 the selection of two steps back) and how many of them the step's own
+  query selects. Scoring the previous step's selection overstated lag 2's hit rate."""
+  records = []
+  step_rows = freekv_policy.FreeKVAttention._step_rows
+
+  def spy(state):
+    records.append((np.asarray(state.pool_ids), np.asarray(state.selection), np.asarray(state.step_counters)))
+    return step_rows(state)
+
+  monkeypatch.setattr(freekv_policy.FreeKVAttention, "_step_rows", staticmethod(spy))
+  out = run(budget=4 + 8 + 4 * 3, bridge="per_step", lag=lag, dense_layers=(0,))
+  stats = out.policy_stats
+  hits = reused = 0
+  for pool_ids, selection, counters in records[lag:]:  # the priming exchanges' records first
+    decided = counters[..., 0] > 0
+    in_selection = ((pool_ids[..., :, None] == selection[..., None, :]) & (selection[..., None, :] >= 0)).any(-1)
+    np.testing.assert_array_equal(counters[..., 3], (in_selection & (pool_ids >= 0)).sum(-1))
+    np.testing.assert_array_equal(counters[..., 2], (pool_ids >= 0).sum(-1))
+    hits += int((counters[..., 3] * decided).sum())
+    reused += int((counters[..., 2] * decided).sum())
+  assert reused > 0 and 0 < hits < reused  # a small budget: some reused pages drop out
+  assert stats["hit_rate"] == hits / reused

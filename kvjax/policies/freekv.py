@@ -687,11 +687,13 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       pooled = page_selection.pool_scores(scores, c_now)
       selection = page_selection.top_pages(pooled, n)
       fetch, fetch_slots, promised = page_selection.plan_recall(promised, selection, pooled, R)
-      hits = jnp.sum(page_selection.member(prev_sel, selection), axis=-1)
+      # Reuse is scored on the pages the step attended, its pool: with lag 2 that holds the
+      # selection of two steps back, not prev_sel (scoring prev_sel overstated lag 2's hit rate).
+      hits = jnp.sum(page_selection.member(pool_ids, selection), axis=-1)
+      reused = jnp.sum(pool_ids >= 0, axis=-1)
       # (A page past c_ring was attended from the ring: not missed.)
       older = (selection >= 0) & (selection < c_ring[:, None, None])
       missed = jnp.sum(older & ~page_selection.member(selection, pool_ids), axis=-1)
-      reused = jnp.sum(prev_sel >= 0, axis=-1)
       # `correct` only counts the heads per_layer would correct.
       correct = self._heads_to_correct(q, prev_q, primed, H, selection, prev_sel, pooled)
       counters = jnp.stack([jnp.broadcast_to(primed, (B, H)), correct, reused, hits, missed], axis=-1)
