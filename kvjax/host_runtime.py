@@ -86,13 +86,14 @@ class HostStats:
   searched_heads: int = 0
   speculated_groups: int = 0  # (seq, layer, kv head, step) served from the previous selection
   corrected_groups: int = 0  # ... corrected synchronously (query drifted below tau)
+  refreshed_groups: int = 0  # bridge="per_step": ... searched again only on their turn in the rotation
   reused_hits: int = 0  # reused ids that are in the current query's exact search result
   reused_total: int = 0
   repeated_steps: int = 0  # bridge="per_step", lag 0: steps run again on rows searched with their own queries
 
   def as_dict(self) -> dict:
     out = dataclasses.asdict(self)
-    decided = self.speculated_groups + self.corrected_groups
+    decided = self.speculated_groups + self.corrected_groups + self.refreshed_groups
     out["correction_rate"] = self.corrected_groups / decided if decided else None
     out["hit_rate"] = self.reused_hits / self.reused_total if self.reused_total else None
     return out

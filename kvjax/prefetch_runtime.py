@@ -407,7 +407,9 @@ class PrefetchRuntime(HostRuntime):
     search attends the tokens stored since in its tail slots, so nothing is lost; the rotation
     searches each group before its tail fills, spread evenly over the steps (refreshing every
     group when its tail filled searched them all in the same step, all of them having started
-    together). Counted in corrected_groups / speculated_groups."""
+    together). Counted in corrected_groups (drifted, or the safety net), refreshed_groups (on
+    their turn only: not a correction, so tau's effect reads from the correction rate) and
+    speculated_groups."""
     T, B, Hq = stored.shape[0], queries.shape[1], queries.shape[2]
     if first or not self.speculative:
       return np.ones((T, B, Hq), bool)
@@ -420,8 +422,10 @@ class PrefetchRuntime(HostRuntime):
     due = np.broadcast_to((np.arange(T * (Hq // G)).reshape(T, 1, Hq // G) + self._exchanges) % period == 0,
                           (T, B, Hq // G))
     unseen = (stored[..., None] - self._seen[rows]).reshape(T, B, Hq // G, G).max(axis=-1)
-    redo = drift | due | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
-    self.stats.corrected_groups += int(redo.sum())
+    corrected = drift | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
+    redo = corrected | due
+    self.stats.corrected_groups += int(corrected.sum())
+    self.stats.refreshed_groups += int((redo & ~corrected).sum())
     self.stats.speculated_groups += int((~redo).sum())
     return np.repeat(redo, G, axis=-1)
 

@@ -14,7 +14,7 @@ import pytest
 
 import host_index
 import kvjax
-from kvjax import host_runtime, row_update
+from kvjax import host_runtime, prefetch_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
@@ -80,11 +80,14 @@ def test_speculative_reuse_loses_nothing_when_topk_covers_the_context(lag):
                **PER_STEP)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   stats = sparse.policy_stats
-  groups = stats["speculated_groups"] + stats["corrected_groups"]
+  searched = stats["corrected_groups"] + stats["refreshed_groups"]
+  groups = stats["speculated_groups"] + searched
   assert stats["speculated_groups"] > 0 and stats["corrected_groups"] > 0  # a tiny random model's queries swing
+  assert stats["refreshed_groups"] > 0  # groups on their turn that had not drifted
   G = model.cfg.num_heads // model.cfg.num_kv_heads
   first = model.cfg.num_layers * 2 * model.cfg.num_heads  # the first exchange searches every head
-  assert stats["searched_heads"] == first + G * stats["corrected_groups"] < first + G * groups
+  assert stats["searched_heads"] == first + G * searched < first + G * groups
+  assert stats["correction_rate"] == stats["corrected_groups"] / groups
 
 
 def test_speculative_tau_one_searches_every_head_as_without_it():
@@ -94,8 +97,22 @@ def test_speculative_tau_one_searches_every_head_as_without_it():
   plain = run(model, prompt, **options)
   spec = run(model, prompt, speculative=True, tau=1.0, **options)
   np.testing.assert_array_equal(spec.logits, plain.logits)
-  assert spec.policy_stats["speculated_groups"] == 0 and spec.policy_stats["corrected_groups"] > 0
+  assert spec.policy_stats["speculated_groups"] == spec.policy_stats["refreshed_groups"] == 0
+  assert spec.policy_stats["corrected_groups"] > 0 and spec.policy_stats["correction_rate"] == 1.0
   assert spec.policy_stats["searched_heads"] == plain.policy_stats["searched_heads"]
+
+
+def test_speculative_rotation_is_not_counted_as_correction(monkeypatch):
+  """Queries that never drift (cosine 1): only the rotation searches again, 1 / (tail_slots // 2)
+  of the groups a step, and the correction rate stays 0 (it read 0.25 at 8 tail slots)."""
+  monkeypatch.setattr(prefetch_runtime, "group_mean_cosine", lambda q, prev, groups: np.ones(q.shape[:1] + (groups,)))
+  model = tiny_model("llama")
+  spec = run(model, random_prompt(60, seed=4), index="flat", topk=3, lag=2, speculative=True, tau=0.8,
+             tail_slots=8, **PER_STEP)
+  stats = spec.policy_stats
+  assert stats["corrected_groups"] == 0 and stats["correction_rate"] == 0.0
+  decided = stats["speculated_groups"] + stats["refreshed_groups"]
+  assert stats["refreshed_groups"] == pytest.approx(decided / 4, abs=model.cfg.num_layers * model.cfg.num_kv_heads)
 
 
 def test_lag_zero_searches_the_lowest_host_layer_with_its_own_query():
