@@ -47,6 +47,23 @@ def test_none_is_the_identity_and_bad_codecs_are_refused():
     kv_codec.check("int4", 8)
   with pytest.raises(ValueError, match="host_codec='fp8'"):
     kvjax.policies.make_policy("freekv", host_codec="fp8")
+  for fn in (lambda c: kv_codec.encode(x, c), lambda c: kv_codec.decode(x, c, jnp.float32),
+             lambda c: kv_codec.host_width(c, 8), lambda c: kv_codec.host_dtype(c, jnp.float32),
+             lambda c: kv_codec.wire_dtype(c, jnp.float32)):
+    with pytest.raises(ValueError, match="host_codec='INT8'"):  # not quietly taken for int8
+      fn("INT8")
+
+
+def test_rows_too_small_for_a_normal_scale_encode_as_zeros_on_both():
+  x = np.zeros((3, 8), np.float32)
+  x[0, :3] = [1e-37, -3e-37, 2e-38]  # max|x| / 127 is subnormal: a GPU flushes it, NumPy would not
+  x[1] = rows((1, 2, 8))[0, 1]  # an ordinary row beside them
+  words = np.asarray(kv_codec.encode(jnp.asarray(x), "int8"))
+  np.testing.assert_array_equal(words, kv_codec.encode_np(x))
+  back = kv_codec.decode_np(words)
+  np.testing.assert_array_equal(back[0], 0.0)
+  np.testing.assert_array_equal(back[2], 0.0)
+  assert np.abs(back[1] - x[1]).max() <= np.abs(x[1]).max() / 254 * (1 + 1e-6)
 
 
 def test_scatter_rows_decodes_int8_pages():
