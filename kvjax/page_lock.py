@@ -7,8 +7,9 @@ the host (experiments/results/bench_h2d.md). The per_step bridges pack each step
 a few reused buffers (kvjax.row_update.StepBuffers), so each is registered once, when first
 copied, and unregistered just before NumPy frees it.
 
-Only CUDA devices: elsewhere, or when the driver refuses, `lock` returns False and the copy
-runs from pageable memory as before (logged once).
+Only CUDA devices and memory NumPy allocated: elsewhere, for a view of foreign memory, or when the
+driver refuses, `lock` returns False and the copy runs from pageable memory as before (a refused
+buffer is not tried again while it lives; the refusal is logged once).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ _lock = threading.RLock()
 _driver: _Driver | None = None
 _driver_error: str | None = None
 _locked: dict[int, int] = {}  # data address of a locked owner array -> its bytes
+_refused: dict[int, int] = {}  # ... of an owner the driver refused (not tried again while it lives)
+_warned = False
 
 
 def _owner(array: np.ndarray) -> np.ndarray:
@@ -81,8 +84,9 @@ def _get_driver() -> _Driver | None:
 
 
 def _release(address: int) -> None:
-  """Unregisters a locked owner; called as it is freed (weakref finalizer)."""
+  """Unregisters a locked owner, or forgets a refused one; called as it is freed (weakref finalizer)."""
   with _lock:
+    _refused.pop(address, None)
     if _locked.pop(address, None) is not None and _driver is not None:
       try:
         _driver.unregister(address)
@@ -96,20 +100,31 @@ def lock(
   """Page-locks the memory under `array` (once per owning buffer, until it is freed);
   True when it is locked. Meant for buffers copied from many times (registering pins every
   page of the buffer; its cost was not timed)."""
+  global _warned
   owner = _owner(array)
-  if not owner.flags.c_contiguous or owner.nbytes == 0:
+  # Memory NumPy does not own (frombuffer, mmap, a jax array's): another array may start at the same
+  # address, and its lifetime is not the owner's, so the registration could not be tracked.
+  if not owner.flags.c_contiguous or not owner.flags.owndata or owner.nbytes == 0:
     return False
   address = owner.ctypes.data
   with _lock:
     if address in _locked:
       return True
+    if address in _refused:
+      return False
     driver = _get_driver()
     if driver is None:
       return False
     try:
       driver.register(address, owner.nbytes)
     except RuntimeError as e:
-      logging.warning("kvjax.page_lock: a %d-byte buffer stays pageable (%s)", owner.nbytes, e)
+      _refused[address] = owner.nbytes
+      weakref.finalize(owner, _release, address).atexit = False
+      if not _warned:
+        _warned = True
+        # str(e): a record holding the exception would hold its frames, and so this buffer
+        logging.warning("kvjax.page_lock: a %d-byte buffer stays pageable (%s); later refusals are not logged",
+                        owner.nbytes, str(e))
       return False
     _locked[address] = owner.nbytes
   weakref.finalize(owner, _release, address).atexit = False  # the driver may be gone by then

@@ -56,14 +56,27 @@ def test_a_buffer_is_locked_once_through_any_of_its_views_and_unlocked_when_free
   assert page_lock.locked_bytes() == 0
 
 
-def test_a_refused_registration_leaves_the_buffer_pageable(monkeypatch, caplog):
+def test_a_refused_registration_leaves_the_buffer_pageable_and_is_not_retried(monkeypatch, caplog):
   fake = FakeDriver(fail=True)
   monkeypatch.setattr(page_lock, "_driver", fake)
   monkeypatch.setattr(page_lock, "_locked", {})
+  monkeypatch.setattr(page_lock, "_refused", {})
+  monkeypatch.setattr(page_lock, "_warned", False)
   buf = np.arange(64, dtype=np.uint8)
   with caplog.at_level(logging.WARNING):
-    assert not page_lock.lock(buf)
-  assert "stays pageable" in caplog.text and page_lock.locked_bytes() == 0
+    locked = [page_lock.lock(buf) for _ in range(3)]  # a reused step buffer: one driver call and warning
+  assert locked == [False] * 3
+  assert len(fake.calls) == 1 and caplog.text.count("stays pageable") == 1 and page_lock.locked_bytes() == 0
+  del buf
+  gc.collect()
+  assert not page_lock._refused  # forgotten once freed: a new buffer at that address is tried
+
+
+def test_memory_numpy_does_not_own_is_not_locked(driver):
+  raw = bytearray(1 << 16)
+  small, big = np.frombuffer(raw, np.uint8, count=4096), np.frombuffer(raw, np.uint8)
+  assert not page_lock.lock(small) and not page_lock.lock(big)  # one address, two extents, another's lifetime
+  assert driver.calls == []
 
 
 def test_without_a_cuda_driver_nothing_is_locked(monkeypatch):
