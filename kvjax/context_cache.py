@@ -2,9 +2,9 @@
 
 A saved context is a directory, written under a temporary name, fsynced and renamed into place:
 
-    manifest.json   format version, model identity, policy and options, prompt lengths,
-                    capacity, the device count, the state's structure with each leaf's shape,
-                    dtype and crc32, and the crc32 of the manifest itself
+    manifest.json   format version, model identity, a save id, policy and options, prompt
+                    lengths, capacity, the device count, the state's structure with each leaf's
+                    shape, dtype and crc32, and the crc32 of the manifest itself
     state/          the policy state's device arrays and the prompts' last hidden states (orbax)
     host.bin        the host store and indexes (host_index persistence, itself checksummed)
 
@@ -13,16 +13,25 @@ A context prefilled over N > 1 devices (kvjax.sharding) is saved as N per-device
 device's own store and indexes); it loads only onto a model sharded over N devices, each device
 getting back its own share.
 
-Loading checks the model identity (name, architecture hash, dtype), every leaf's shape,
-dtype and checksum, and the host file's own checksums; any mismatch is a ValueError before
-the context is used. Decode-time options (e.g. retrieval's top-k, speculation and tau) may
+Loading checks the model identity (name, architecture hash, dtype; not the weights' values),
+every leaf's shape, dtype and checksum, and the host files' own checksums and that they belong
+to this save and device (the save id and device index in their meta); any mismatch, and a
+missing or unreadable part, is a ValueError before the context is used. Paths may be relative
+or start with ~.
+
+Replacing a saved context (overwrite=True) swaps the new directory in with one atomic
+renameat2(RENAME_EXCHANGE) where the file system has it; elsewhere the old one is first moved
+aside to `.NAME.old-*`, which a crash between the two renames leaves behind (a load of the
+missing path names it). Decode-time options (e.g. retrieval's top-k, speculation and tau) may
 differ from those the context was prefilled with; options that shape the state may not.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
+import errno
 import importlib
 import json
 import os
@@ -41,11 +50,12 @@ from kvjax.sharding import ShardedPolicy, join_state, replicated, split_state
 from models.tensor_parallel import local_config
 
 FORMAT = "kvjax-context"
-VERSION = 8  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
+VERSION = 9  # 2: freekv states carry the per_step exchange rows (step_*); 3: and promised_ids; 4: step_q, pool_slots,
 # pool_counts; 5: kcodes, klo, kstep; 6: retrieval per_step buffers of topk + sources * successors + tail_slots
 # rows (sources = successor_sources since ffdc098, topk before); 7: retrieval per_step rings of window + lag
-# tokens past the sinks, no recent_* ring; 8: the manifest's own checksum (version 7 files, without it, still load)
-_READABLE_VERSIONS = (7, 8)
+# tokens past the sinks, no recent_* ring; 8: the manifest's own checksum (version 7 files, without it, still load);
+# 9: a save id, also in each host file's meta with its device index (8 and 7 load without that check)
+_READABLE_VERSIONS = (7, 8, 9)
 _STATE_MODULE_PREFIX = "kvjax."  # state classes are only ever imported from kvjax itself
 
 
@@ -126,7 +136,7 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
 
   if context.spent or context.state is None:
     raise ValueError("this context was decoded already; save it before decoding")
-  path = pathlib.Path(path)
+  path = _absolute(path)  # orbax takes absolute paths only
   if path.exists() or path.is_symlink():
     if not overwrite:
       raise ValueError(f"{str(path)!r} exists; pass overwrite=True to replace it")
@@ -144,6 +154,7 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
       "format": FORMAT,
       "version": VERSION,
       "model": {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype},
+      "save_id": uuid.uuid4().hex,
       "policy": {"name": policy.name, "options": _policy_options(policy)},
       "prompt_lengths": list(context.prompt_lengths),
       "capacity": context.capacity,
@@ -165,25 +176,63 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
     hosts = [policy.host_context(state) for state in states]
     if hosts[0] is not None:
       names = ["host.bin"] if len(hosts) == 1 else [f"host_{d}.bin" for d in range(len(hosts))]
-      for host, name in zip(hosts, names):
-        host.save(tmp / name, meta=manifest["model"])
+      for d, (host, name) in enumerate(zip(hosts, names)):
+        host.save(tmp / name, meta=_host_meta(manifest, d))
       manifest["host"] = names[0] if len(hosts) == 1 else names
     manifest["crc32"] = _manifest_crc(manifest)
     with open(tmp / "manifest.json", "w") as f:
       f.write(json.dumps(manifest, indent=1, default=_json_default))
       f.flush()
       os.fsync(f.fileno())
-    for directory in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:  # orbax does not fsync its files' entries
-      _fsync(directory)
+    for entry in [*tmp.rglob("*"), tmp]:  # orbax fsyncs neither its metadata files nor the directories
+      _fsync(entry)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   _replace(tmp, path)
 
 
+def _absolute(path) -> pathlib.Path:
+  return pathlib.Path(path).expanduser().absolute()  # not resolve(): a symlink stays one (refused)
+
+
+def _host_meta(manifest: dict, device: int) -> dict:
+  """What a host file's meta must hold: the model identity and, from version 9, the save and device it belongs to."""
+  if "save_id" not in manifest:
+    return manifest["model"]
+  return manifest["model"] | {"save_id": manifest["save_id"], "device": device}
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+  """Atomically swaps two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    return True
+  if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # the file system lacks it
+    return False
+  raise OSError(ctypes.get_errno(), f"swapping {str(a)!r} and {str(b)!r}")
+
+
 def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
-  """Moves the written directory `tmp` to `path`; an old context at `path` is kept until the new
-  one is in place, and put back if that fails."""
+  """Moves the written directory `tmp` to `path`. An old context at `path` is swapped out in one
+  atomic step where the file system can; elsewhere it is kept until the new one is in place,
+  and put back if that fails."""
+  if path.exists():
+    try:
+      swapped = _exchange(tmp, path)
+      if swapped:
+        _fsync(path.parent)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)  # the new context, or the old one if swapped already
+      raise
+    if swapped:
+      shutil.rmtree(tmp, ignore_errors=True)  # now the old context
+      return
   old = None
   try:
     if path.exists():
@@ -203,28 +252,48 @@ def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
 
 
 def _check_metadata(metadata: dict) -> None:
-  """The metadata goes to the manifest as JSON: string keys and JSON values only, checked before any work."""
+  """The metadata goes to the manifest as JSON and must come back as it went in: string keys at
+  every depth, JSON values (tuples as lists), checked before any work."""
   if not isinstance(metadata, dict):
     raise TypeError(f"context metadata must be a dict, got {type(metadata).__name__}")
   for key, value in metadata.items():
     if not isinstance(key, str):
       raise TypeError(f"context metadata key {key!r} is not a string (JSON keys are)")
-    try:
-      json.dumps(value, default=_json_default)
+    try:  # sort_keys, as the manifest's checksum writes it
+      back = json.loads(json.dumps(value, sort_keys=True, default=_json_default))
     except (TypeError, ValueError) as e:
       raise TypeError(f"context metadata {key!r} cannot be written as JSON: {e}") from None
+    if not _same_json(value, back):
+      raise TypeError(f"context metadata {key!r} would not load back as saved (a non-string key inside?)")
+
+
+def _same_json(value, back) -> bool:
+  """value equals its JSON round trip `back`, tuples read as lists."""
+  if isinstance(value, dict):
+    return (isinstance(back, dict) and all(isinstance(k, str) for k in value) and value.keys() == back.keys()
+            and all(_same_json(value[k], back[k]) for k in value))
+  if isinstance(value, (list, tuple)):
+    return isinstance(back, list) and len(value) == len(back) and all(map(_same_json, value, back))
+  return value == back or (value != value and back != back)  # NaN
 
 
 def _json_default(value):
   if isinstance(value, tuple):
     return list(value)
+  if isinstance(value, np.generic):  # a NumPy scalar option (budget=np.int64(24))
+    return value.item()
   raise TypeError(f"cannot write {type(value).__name__} to a context manifest")
 
 
 def read_manifest(path: str | os.PathLike) -> dict:
   """The manifest of a saved context (format checked), without loading any array."""
-  manifest_file = pathlib.Path(path) / "manifest.json"
+  path = _absolute(path)
+  manifest_file = path / "manifest.json"
   if not manifest_file.is_file():
+    aside = sorted(path.parent.glob(f".{path.name}.old-*")) if not path.exists() else []
+    if aside:  # an overwrite stopped between its two renames
+      raise ValueError(f"{str(path)!r} is missing: an interrupted overwrite left the previous context at "
+                       f"{str(aside[0])!r} (rename it back to use it)")
     raise ValueError(f"{str(path)!r} is not a saved kvjax context (no manifest.json)")
   try:
     manifest = json.loads(manifest_file.read_text())
@@ -257,7 +326,7 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
   """
   import orbax.checkpoint as ocp
 
-  path = pathlib.Path(path)
+  path = _absolute(path)
   manifest = read_manifest(path)
   identity = manifest["model"]
   probe = PrefilledContext(model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"],
@@ -270,7 +339,14 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
     raise ValueError(f"{str(path)!r} was prefilled over {devices} device(s); the model is on "
                      f"{1 if mesh is None else mesh.size}: load it with a model sharded the same way")
   policy = _restore_policy(manifest["policy"], policy_options or {})
-  restored = ocp.StandardCheckpointer().restore(path / "state")
+  hosts = manifest["host"] if isinstance(manifest["host"], list) else [manifest["host"]] * devices
+  missing = [str(path / p) for p in ["state", *(h for h in hosts if h)] if not (path / p).exists()]
+  if missing:
+    raise ValueError(f"saved context {str(path)!r} is incomplete: {missing} missing")
+  try:
+    restored = ocp.StandardCheckpointer().restore(path / "state")
+  except Exception as e:  # orbax raises what its readers raise on a truncated or damaged file
+    raise ValueError(f"the state of saved context {str(path)!r} is unreadable: {type(e).__name__}: {e}") from e
   arrays = {}  # checked while still on the host, then placed on their own device only
   for key, spec in manifest["arrays"].items():
     if 0 in spec["shape"]:
@@ -283,7 +359,6 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
       raise ValueError(f"array {key!r} of {str(path)!r} does not match its manifest (shape, dtype or checksum)")
     arrays[key] = array
   del restored
-  hosts = manifest["host"] if isinstance(manifest["host"], list) else [manifest["host"]] * devices
   leaves, host_contexts = [], []
   for d, device in enumerate(_devices(mesh)):
     prefix = "" if devices == 1 else f"dev{d}_"
@@ -294,7 +369,7 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
     else:
       import host_index
 
-      host_contexts.append(host_index.HostContext.load(path / hosts[d], expect_meta=identity))
+      host_contexts.append(host_index.HostContext.load(path / hosts[d], expect_meta=_host_meta(manifest, d)))
   return _assemble(model, policy, [_build_tree(manifest["structure"], x) for x in leaves], host_contexts,
                    identity=identity, prompt_lengths=list(manifest["prompt_lengths"]),
                    capacity=int(manifest["capacity"]), last_hidden=jnp.asarray(arrays["last_hidden"]),

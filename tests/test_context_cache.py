@@ -95,11 +95,21 @@ def test_corruption_is_detected(tmp_path):
     kvjax.load_context(tmp_path / "nothing", model)
 
 
-def test_overwrite_replaces_only_a_saved_context_and_keeps_the_old_one_until_the_new_is_in(tmp_path, monkeypatch):
+@pytest.mark.parametrize("exchange", [True, False])  # one atomic swap, or (file systems without it) two renames
+def test_overwrite_replaces_only_a_saved_context_and_keeps_the_old_one_until_the_new_is_in(
+    tmp_path, monkeypatch, exchange):
   import os
 
   from kvjax import context_cache
 
+  if not exchange:
+    monkeypatch.setattr(context_cache, "_exchange", lambda a, b: False)
+  else:
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    supported = context_cache._exchange(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "a").rmdir(), (tmp_path / "b").rmdir()
+    if not supported:
+      pytest.skip("this file system has no RENAME_EXCHANGE")
   model = tiny_model("llama")
   new = lambda: kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16)
   (tmp_path / "data").mkdir()
@@ -119,10 +129,15 @@ def test_overwrite_replaces_only_a_saved_context_and_keeps_the_old_one_until_the
       raise OSError("disk gone")
     return real_replace(src, dst)
 
-  monkeypatch.setattr(context_cache.os, "replace", failing_move)
-  with pytest.raises(OSError, match="disk gone"):
-    kvjax.save_context(new(), tmp_path / "ctx", overwrite=True)
-  monkeypatch.undo()
+  def failing_exchange(a, b):
+    raise OSError("disk gone")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(context_cache.os, "replace", failing_move)
+    if exchange:
+      patch.setattr(context_cache, "_exchange", failing_exchange)
+    with pytest.raises(OSError, match="disk gone"):
+      kvjax.save_context(new(), tmp_path / "ctx", overwrite=True)
   assert (tmp_path / "ctx" / "manifest.json").read_text() == before  # the old context is back in place
   assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx", "data", "file"]  # nothing half-written left
 
@@ -136,14 +151,30 @@ def test_overwrite_replaces_only_a_saved_context_and_keeps_the_old_one_until_the
 def test_metadata_that_json_cannot_hold_is_refused_before_any_work(tmp_path):
   model = tiny_model("llama")
   context = kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16)
-  context.metadata["steps"] = np.int64(3)
-  with pytest.raises(TypeError, match="'steps'"):
-    kvjax.save_context(context, tmp_path / "ctx")
-  context.metadata.pop("steps")
+  for key, value in (("steps", {3}), ("run", {1: "one"}), ("mixed", {1: "a", "b": 2})):
+    context.metadata[key] = value  # a set; a key that JSON would turn into "1"; keys it cannot sort
+    with pytest.raises(TypeError, match=f"'{key}'"):
+      kvjax.save_context(context, tmp_path / "ctx")
+    context.metadata.pop(key)
   context.metadata[7] = "x"
   with pytest.raises(TypeError, match="7"):
     kvjax.save_context(context, tmp_path / "ctx")
   assert list(tmp_path.iterdir()) == []
+
+
+def test_numpy_scalars_save_as_numbers_and_relative_paths_work(tmp_path, monkeypatch):
+  """A NumPy option or metadata value is written as the number it holds; orbax takes absolute paths
+  only, so a relative path (and ~) failed after the whole prefill."""
+  model = tiny_model("llama")
+  options = dict(budget=np.int64(12), page_size=2, sinks=2, window=4)
+  context = kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16, policy="freekv", policy_options=options)
+  context.metadata["steps"] = np.int64(3)
+  expected = kvjax.decode(model, kvjax.copy_context(context, model), max_new_tokens=8).tokens
+  monkeypatch.chdir(tmp_path)
+  kvjax.save_context(context, "ctx")
+  loaded = kvjax.load_context("ctx", model)
+  assert loaded.metadata == {"steps": 3} and loaded.policy.budget == 12
+  assert kvjax.decode(model, loaded, max_new_tokens=8).tokens == expected
 
 
 def test_the_manifest_is_checksummed_and_version_7_files_still_load(tmp_path):
@@ -218,3 +249,47 @@ def test_copy_takes_decode_options_and_refuses_the_rest():
   np.testing.assert_allclose(spec.logits, plain.logits, rtol=1e-4, atol=1e-4)  # tau 1 = not speculative
   with pytest.raises(ValueError, match="decoded already"):
     kvjax.copy_context(context, model)
+
+
+def test_a_host_file_of_another_save_is_refused(tmp_path):
+  """Same model, same prompt lengths, another prompt: its host file passed every check before
+  (model identity, own checksums) and decoded other tokens. Each host file now carries its
+  save's id and device index."""
+  import shutil
+
+  model = tiny_model("llama")
+  options = dict(index="flat", topk=6, **SMALL)
+  save_prefilled(tmp_path / "a", model, options)
+  other = kvjax.prefill(model, [random_prompt(41, seed=8), random_prompt(29, seed=9)], max_new_tokens=12,
+                        policy="retrieval", policy_options=options, prefill_chunk=16)
+  kvjax.save_context(other, tmp_path / "b")
+  other.close()
+  shutil.copyfile(tmp_path / "b" / "host.bin", tmp_path / "a" / "host.bin")
+  with pytest.raises(ValueError, match="save_id"):
+    kvjax.load_context(tmp_path / "a", model)
+
+
+@pytest.mark.parametrize("damage", ["no_state", "no_host", "truncated_state"])
+def test_a_missing_or_damaged_part_is_a_value_error(tmp_path, damage):
+  import shutil
+
+  model = tiny_model("llama")
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", topk=6, **SMALL))
+  if damage == "no_state":
+    shutil.rmtree(tmp_path / "ctx" / "state")
+  elif damage == "no_host":
+    (tmp_path / "ctx" / "host.bin").unlink()
+  else:  # every file orbax wrote, cut in half
+    for f in (tmp_path / "ctx" / "state").rglob("*"):
+      if f.is_file() and f.stat().st_size > 64:
+        f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+  with pytest.raises(ValueError, match="incomplete|unreadable|does not match"):
+    kvjax.load_context(tmp_path / "ctx", model)
+
+
+def test_a_load_after_an_interrupted_overwrite_names_the_context_left_aside(tmp_path):
+  model = tiny_model("llama")
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", topk=6, **SMALL))
+  (tmp_path / "ctx").rename(tmp_path / ".ctx.old-1234abcd")  # as a crash between the fallback's two renames leaves it
+  with pytest.raises(ValueError, match=r"interrupted overwrite.*\.ctx\.old-1234abcd"):
+    kvjax.load_context(tmp_path / "ctx", model)
