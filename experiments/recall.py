@@ -650,9 +650,10 @@ def position_markdown(curves, kinds, fracs=(0.03, 0.05, 0.10), mode="Q->K") -> s
   focus = all("focus_true" in r for r in det)
   if focus:
     metrics += (("needle", lambda r: r["focus_hits"] / r["focus_true"] if r["focus_true"] else None),)
-  text = [f"{POSITION_MARK} ({mode}): recall@100 / recall of the true top-100 keys at prompt positions < 10% "
+  k = det[0].get("k", 100)
+  text = [f"{POSITION_MARK} ({mode}): recall@{k} / recall of the true top-{k} keys at prompt positions < 10% "
           "(the farthest from the decode queries) / attention-mass recall (softmax mass of the returned keys over "
-          "that of the true top-100)" + (" / recall of the true top-100 keys inside the needle's token span"
+          f"that of the true top-{k})" + (f" / recall of the true top-{k} keys inside the needle's token span"
                                           if focus else "") + ", at equal scanned fraction " + " / ".join(f"{100 * f:g}%" for f in fracs)
           + " (log-linear along the ef sweep; -: outside the curve)\n",
           "| layer | kind | " + " | ".join(f"{100 * f:g}% scanned" for f in fracs) + " |",
@@ -807,7 +808,7 @@ def summary_markdown(summary, kinds) -> str:
     rs = [r for r in summary if r["mode"] == mode]
     layers = list(dict.fromkeys(r["layer"] for r in rs))
     present = [k for k in kinds if any(r["kind"] == k for r in rs) and k != "flat"]
-    text.append(f"**{mode}**: % of indexed keys scanned for mean recall@100 0.90 / 0.95 "
+    text.append(f"**{mode}**: % of indexed keys scanned for mean recall (of the true top-k) 0.90 / 0.95 "
                 f"(>x: never reached, x = most scanned; ≤x: the least effort, smallest ef or fewest probes, already "
                 f"reaches it)\n")
     text.append("| layer | " + " | ".join(present) + " |")
@@ -859,11 +860,11 @@ def plot(curves, kinds, path, title):
       if i == 1:
         ax.set_xlabel("scanned fraction")
       if j == 0:
-        ax.set_ylabel("recall@100")
+        ax.set_ylabel(f"recall@{curves[0].get('k', 100)}")
   axes[0][0].legend(fontsize=7)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=90)
+  fig.savefig(path, dpi=90, bbox_inches="tight")  # a long title is not cut off
   plt.close(fig)
   return path
 
@@ -996,7 +997,7 @@ def rerender(path, *, make_plot=True):
     m = doc.get("meta", {})
     plot(curves, kinds, path.with_suffix(".png"),
          f"{m.get('model', '?')}, N={m.get('n', '?')} ({curves[0]['n_keys']} indexed keys/head), "
-         f"recall@100 vs scanned fraction" + (": kvjax vs faiss / hnswlib" if "kvjax_rows" in doc else ""))
+         f"recall@{curves[0].get('k', 100)} vs scanned fraction" + (": kvjax vs faiss / hnswlib" if "kvjax_rows" in doc else ""))
   return doc
 
 
