@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import kv_codec
+from kvjax import checks, kv_codec
 from kvjax.generate import PrefilledContext, check_context, prefill, round_capacity
 from kvjax.policies import make_policy
 from kvjax.policies.base import HostBackedMixin
@@ -158,20 +158,24 @@ def fit_statistics(
     source: words for what the prompt is, carried into every description.
     prefill_chunk: prompt tokens per prefill step.
   """
-  if head_len < 0 or tail_len < 1:
-    raise ValueError(f"{head_len=} must be >= 0 and {tail_len=} >= 1")
+  head_len, tail_len = checks.integer(head_len, "head_len", low=0), checks.integer(tail_len, "tail_len", low=1)
+  prefill_chunk = checks.integer(prefill_chunk, "prefill_chunk", low=1)
   if getattr(model, "mesh", None) is not None:
     raise ValueError("fit_statistics runs on a model on one device, not a sharded one")
   cfg = model.cfg
+  if not isinstance(prompt, str):  # token ids: their length is known before the prefill
+    _check_middle(len(checks.token_ids(prompt, "prompt")), head_len, tail_len, cfg.head_dim)
   context = prefill(model, prompt, max_new_tokens=1, policy=_RecordingAttention(),
                                  prefill_chunk=prefill_chunk)
   if len(context.prompt_lengths) != 1:
     raise ValueError(f"fit_statistics takes one prompt, got {len(context.prompt_lengths)}")
   n = context.prompt_lengths[0]
+  try:
+    _check_middle(n, head_len, tail_len, cfg.head_dim)  # a text prompt's length is known once tokenized
+  except ValueError:
+    context.close()
+    raise
   middle = n - head_len - tail_len
-  if middle < 2 * cfg.head_dim:
-    raise ValueError(f"calibration prompt of {n} tokens leaves {middle} positions between head_len={head_len} "
-                     f"and tail_len={tail_len}; at least 2 * head_dim = {2 * cfg.head_dim} are needed")
   state = context.state
   fields: dict[str, list] = {name: [] for name in ("k", "v", "q")}
   for layer in range(cfg.num_layers):  # one layer on the host at a time
@@ -190,6 +194,13 @@ def fit_statistics(
   context.close()
   return KVStatistics(model_name=cfg.name, config_hash=cfg.config_hash(), dtype=cfg.dtype, source=source,
                       calibration_len=n, last_hidden=last_hidden, **out)
+
+
+def _check_middle(n: int, head_len: int, tail_len: int, head_dim: int) -> None:
+  middle = n - head_len - tail_len
+  if middle < 2 * head_dim:
+    raise ValueError(f"calibration prompt of {n} tokens leaves {middle} positions between head_len={head_len} "
+                     f"and tail_len={tail_len}; at least 2 * head_dim = {2 * head_dim} are needed")
 
 
 # -- filling a context ---------------------------------------------------------------------
@@ -327,12 +338,13 @@ def synthetic_prefill(
   if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "dynamic":
     raise ValueError("dynamic NTK scaling changes RoPE's frequencies with the context length, so the "
                      "calibration tail cannot be moved to another length; use linear, yarn or llama3 scaling")
-  lengths = [int(n) for n in lengths]
+  lengths = [checks.integer(n, f"lengths[{i}]", low=1) for i, n in enumerate(lengths)]  # 300.9 was read as 300
   need = stats.head_len + stats.tail_len
   if not lengths or min(lengths) < need:
     raise ValueError(f"lengths={lengths}: each must be >= head_len + tail_len = {need}")
-  if max_new_tokens < 1 or chunk < 1:
-    raise ValueError(f"{max_new_tokens=} and {chunk=} must be >= 1")
+  max_new_tokens = checks.integer(max_new_tokens, "max_new_tokens", low=1)
+  chunk = checks.integer(chunk, "chunk", low=1)
+  seed = checks.integer(seed, "seed")
   attention = make_policy(policy, **(policy_options or {}))
   if not attention.takes_written_prompt:
     raise ValueError(f"policy {attention.name!r} cannot be filled with a synthetic context "

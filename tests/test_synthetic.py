@@ -131,8 +131,16 @@ def test_bad_requests_fail_before_any_work(model, stats):
     synthetic.synthetic_prefill(tiny_model(max_position=8192, num_layers=3), stats, [500])
   with pytest.raises(ValueError, match="exceeds the context"):
     synthetic.synthetic_prefill(model, stats, [9000])
-  with pytest.raises(ValueError, match="leaves 8 positions"):
-    synthetic.fit_statistics(model, random_prompt(72), head_len=HEAD, tail_len=TAIL)
+  prefills = []
+  with pytest.MonkeyPatch.context() as patch:  # token ids: refused before the calibration prefill runs
+    patch.setattr(synthetic, "prefill", lambda *a, **k: prefills.append(1))
+    with pytest.raises(ValueError, match="leaves 8 positions"):
+      synthetic.fit_statistics(model, random_prompt(72), head_len=HEAD, tail_len=TAIL)
+  assert prefills == []
+  for bad, error in ((dict(lengths=[300.9]), "lengths\\[0\\]=300.9"), (dict(chunk=100.5), "chunk=100.5"),
+                     (dict(max_new_tokens=2.5), "max_new_tokens=2.5"), (dict(chunk=True), "chunk=True")):
+    with pytest.raises(TypeError, match=error):  # was truncated, or failed deep in a shape
+      synthetic.synthetic_prefill(model, stats, **({"lengths": [500]} | bad))
   dynamic = tiny_model(max_position=4096, rope_scaling=RopeScaling("dynamic", 2.0, 4096))
   dynamic_stats = synthetic.fit_statistics(dynamic, random_prompt(200), head_len=8, tail_len=16)
   with pytest.raises(ValueError, match="dynamic NTK"):
