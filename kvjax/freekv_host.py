@@ -45,8 +45,9 @@ class FreeKVStats:
       heads too: the overlap reuse would have kept; retrieval's hit rate scores only heads
       that reused).
     missed_pages: pages of a head's selection it did not attend (per_layer: more missing than
-      max_recall; per_step: pages the step's own query selected among those complete before it
-      that were not resident, the cost of attending the previous step's selection).
+      max_recall; per_step: pages of the selection the step's own query made (over the pages
+      complete after its eviction, the next step's candidates) that the step attended from
+      neither its pool nor its ring: the cost of attending an older selection).
     sync_pages: pages recalled before attention (corrections; every recall without
       speculation): on the critical path.
     spec_pages: pages recalled for the next step's speculative selection.
