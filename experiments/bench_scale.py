@@ -54,6 +54,9 @@ POLICIES = {
     # successors off: what the default successors (= 2 * lag) cost, side by side (a decode option: it
     # reloads the spec row's context when both run)
     "retrieval_step_lag2_kv_spec_s0": ("retrieval", _STEP_SPEC | {"successors": 0}),
+    # no pinned spans (16 of 16 tokens per query head are the per_step default since 2026-12-05):
+    # what keeping them costs at 128K (a decode option, like _s0)
+    "retrieval_step_lag2_kv_spec_p0": ("retrieval", _STEP_SPEC | {"pinned": 0}),
     # 2 successors, the default until 2026-12-03 (4 since): what the 2 more cost at 128K
     "retrieval_step_lag2_kv_spec_s2": ("retrieval", _STEP_SPEC | {"successors": 2}),
     # host threads at the caller's priority (background_nice 0), as before 2026-12-03: what
