@@ -80,7 +80,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("pinned_span", None, "retrieval per_step bridge: tokens kept from each pinned id on "
                        "(default 16).")
   flags.DEFINE_integer("pinned_window", None, "retrieval per_step bridge: the last prompt queries whose summed "
-                       "attention chooses the pinned ids (default 1: the last query's search).")
+                       "attention chooses the pinned ids (default 32, at most the window; 1: the last query's search).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

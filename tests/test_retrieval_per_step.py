@@ -597,6 +597,17 @@ def test_bad_options(options, message):
     RetrievalAttention(**options)
 
 
+def test_pin_defaults_resolve_per_bridge():
+  """16 pins chosen by the last 32 prompt queries with per_step (at most topk / the window), none
+  with per_layer; resolved at use, so a load with another topk or window gets its own."""
+  step = RetrievalAttention(bridge="per_step", lag=2)
+  assert (step.pinned_per_head, step.pin_window) == (16, 32) and "last 32 queries" in step.describe()
+  assert RetrievalAttention(bridge="per_step", topk=8, window=16).pinned_per_head == 8
+  assert RetrievalAttention(bridge="per_step", window=16).pin_window == 16
+  assert (RetrievalAttention().pinned_per_head, RetrievalAttention().pin_window) == (0, 1)
+  assert RetrievalAttention(bridge="per_step", pinned_window=1).pin_window == 1
+
+
 def test_updates_ship_only_entering_rows_and_keep_the_buffers_exact():
   rng = np.random.default_rng(2)
   keys, values = rng.standard_normal((2, 2, 1, 30, 8), dtype=np.float32)

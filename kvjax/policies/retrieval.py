@@ -167,6 +167,7 @@ def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or Non
 
 
 DEFAULT_PINNED = 16  # per_step's pinned ids per query head (RetrievalAttention.pinned)
+DEFAULT_PIN_WINDOW = 32  # per_step's prompt queries choosing them (RetrievalAttention.pinned_window)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,26 +224,29 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   successor_sources: per_step only: how many of each head's best retrieved ids get successors
     (a head reading a span token by token ranks the position it reads first; successors of
     all 100 cost 3.2 ms a step at 128K, SmolLM2 shapes: experiments/results/*_successors*).
-  pinned: per_step only: each query head's best `pinned` ids for the prompt's last query (the
-    question), each with the `pinned_span - 1` tokens after it, stay in every selection of the
+  pinned: per_step only: each query head's best `pinned` ids for the prompt's last queries (the
+    question; `pinned_window` says how many), each with the `pinned_span - 1` tokens after it, stay in every selection of the
     decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
     reused selection then still holds the needles the question asked for when the answer turns
     to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). Default: 16 (at most topk) with
     per_step, 0 (off) otherwise; it costs pinned * pinned_span device rows per query head, copied
-    once, and one search after the prefill. On niah_multiquery at 32K (Qwen2.5, lag 2
+    once, and `pinned_window` searches after the prefill. On niah_multiquery at 32K (Qwen2.5, lag 2
     speculative, 25 paired samples) pinned 0 / 8 / 16 / 32 scored 0.42 / 0.59 / 0.63 / 0.63
     against full's 0.72, at 8.4 / 8.9 / 9.5 / 10.3 ms a token
-    (experiments/results/ruler_qwen_32k_multiquery_pinned*.md).
+    (experiments/results/ruler_qwen_32k_multiquery_pinned*.md; chosen by the last query then).
   pinned_span: per_step only: tokens kept from each pinned id on (the id itself included).
   pinned_window: per_step only: the last prompt queries that choose the pinned ids (at most the
-    window). 1 (the default): the last token's, by its search. W > 1: the union of the W
-    queries' searches, ranked by the attention the W queries give each id together (each
-    query's softmax over those ids and the device keys, summed: SnapKV's observation window).
-    The question and answer prefix name every key asked: on niah_multiquery at 8K (exact
-    ranking, 16 pins) the last 64 queries' pins held all four asked values in 29% of the heads,
-    the last query's in 15% (experiments/results/pin_study_qwen_8k_multiquery.md); on one 32K
-    sample (CPU) W = 64 decoded full's answer where W = 1 lost two of its items
-    (..._multiquery_pinned_window_s5_cpu.md). Not yet the default: 25 GPU samples decide.
+    window). 1: the last token's, by its search. W > 1: the union of the W queries' searches,
+    ranked by the attention the W queries give each id together (each query's softmax over those
+    ids and the device keys, summed: SnapKV's observation window). Default: 32 (at most the
+    window) with per_step, 1 otherwise. The question and answer prefix name every key asked: on
+    niah_multiquery at 8K (exact ranking, 16 pins) the last 64 queries' pins held all four asked
+    values in 29% of the heads, the last query's in 15%
+    (experiments/results/pin_study_qwen_8k_multiquery.md). On niah_multiquery at 32K (Qwen2.5,
+    lag 2 speculative, 16 pins, 25 paired samples, H100) W = 1 / 32 / 64 scored 0.64 / 0.69 /
+    0.68 against full's 0.72 (loss 0.08 [0.02, 0.14], 0.03 [-0.01, 0.07], 0.04 [0.00, 0.09]), all
+    at 10.4-10.7 ms a token (ruler_qwen_32k_multiquery_pinned_window.md): 32, one sample ahead of
+    64 and half its searches after the prefill.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -278,7 +282,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   successor_sources: int = 8
   pinned: int | None = None
   pinned_span: int = 16
-  pinned_window: int = 1
+  pinned_window: int | None = None
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
@@ -320,13 +324,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.successors and self.bridge != "per_step":
       raise ValueError(f"successors={self.successors} applies to bridge='per_step'")
     for field, low in (("pinned", 0), ("pinned_span", 1), ("pinned_window", 1)):
-      if getattr(self, field) is not None:  # pinned None: the default
+      if getattr(self, field) is not None:  # pinned, pinned_window None: their defaults
         checks.integer(getattr(self, field), field, low=low)
     if self.pinned is not None and self.pinned > self.topk:
       raise ValueError(f"pinned={self.pinned} must not exceed topk={self.topk}: the pinned ids are a search's best")
     if self.pinned and self.bridge != "per_step":
       raise ValueError(f"pinned={self.pinned} applies to bridge='per_step'")
-    if self.pinned_window != 1 and (self.bridge != "per_step" or self.pinned_window > self.window):
+    if self.pinned_window not in (None, 1) and (self.bridge != "per_step" or self.pinned_window > self.window):
       raise ValueError(f"pinned_window={self.pinned_window} applies to bridge='per_step' and must not exceed "
                        f"window={self.window} (the ring holds the prompt's last queries)")
     if self.transfer not in row_update.TRANSFERS:
@@ -350,6 +354,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return self.pinned
     return min(DEFAULT_PINNED, self.topk) if self.bridge == "per_step" else 0
 
+  @property
+  def pin_window(self) -> int:
+    """`pinned_window`, or its default: DEFAULT_PIN_WINDOW (at most the window) with per_step, else 1."""
+    if self.pinned_window is not None:
+      return self.pinned_window
+    return min(DEFAULT_PIN_WINDOW, self.window) if self.bridge == "per_step" else 1
+
   def describe(self) -> str:
     dense = f", dense layers {list(self.dense_layers)}" if self.dense_layers else ""
     spec = f", speculative tau={self.tau}" if self.speculative else ""
@@ -359,7 +370,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                2: ", host works while the device computes (selection of two steps back)"}[self.lag]
       spec += (f", +{self.successors} following tokens of the best {min(self.successor_sources, self.topk)}"
                if self.successors else "")
-      chosen_by = (f"the prompt's last {self.pinned_window} queries'" if self.pinned_window > 1
+      chosen_by = (f"the prompt's last {self.pin_window} queries'" if self.pin_window > 1
                    else "the prompt's last query's")
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
@@ -719,7 +730,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _pin(self, cfg, state: RetrievalState) -> None:
     if not self.pinned_per_head:
       return
-    q, lse, valid = jax.device_get(self._prompt_window(cfg, state, self.pinned_window))
+    q, lse, valid = jax.device_get(self._prompt_window(cfg, state, self.pin_window))
     self.runtime(state).pin(self._sparse_layers(cfg), np.asarray(q, np.float32), np.asarray(lse), np.asarray(valid))
 
   def _first_rows(self, cfg, state: RetrievalState) -> RetrievalState:
