@@ -51,6 +51,9 @@ flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculat
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
                      "per_step's `successors`, whose default there is twice its lag).")
 flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
+flags.DEFINE_integer("pinned", 0, "Ids per query head pinned by the first step's queries, each with --pinned_span "
+                     "tokens (retrieval per_step's `pinned`, whose default there is 16).")
+flags.DEFINE_integer("pinned_span", 16, "Tokens kept from each pinned id on.")
 flags.DEFINE_integer("gil_probe_steps", 8, "Steps run again after the timed ones beside a thread that needs the GIL "
                      "(experiments/gil_probe.py): how long the decode loop's main thread would wait for it.")
 flags.DEFINE_string("out_dir", None, "Results directory.")
@@ -73,6 +76,7 @@ def build_runtime(rng) -> PrefetchRuntime:
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
+                            pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span,
                             **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
@@ -122,6 +126,7 @@ def main(argv):
   evicted_k = rng.standard_normal((L, 1, Hkv, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
   evicted_q = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
   per_step, shipped, packed_bytes = [], [], []
+  runtime.pin(layers, queries[:, :, :, None])  # W = 1: the "prompt's" last query (no-op without --pinned)
 
   def step(i: int):
     nonlocal queries
@@ -163,6 +168,7 @@ def main(argv):
              wait_ms=round(1e3 * float(np.median([s["callback_seconds"] - s["insert_seconds"] - s["search_seconds"]
                                                   - s["gather_seconds"] for s in per_step])), 3),
              tau=FLAGS.tau, successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
+             pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span,
              searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),
              search_ms_max=round(1e3 * max(s["search_seconds"] for s in per_step), 3),

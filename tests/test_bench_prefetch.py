@@ -25,6 +25,11 @@ def test_speculative_reuse_searches_fewer_heads(tmp_path):
   assert reuse["tau"] == 0.5 and reuse["searched_heads"] < every["searched_heads"]
 
 
+def test_pinned_spans_take_their_slots(tmp_path):
+  pinned = run_bench(tmp_path, "pinned", "--steps=4", "--pinned=2", "--pinned_span=3")["rows"][0]
+  assert pinned["pinned"] == 2 and pinned["slots"] == 2 * 4 * (10 + 8 + 2 * 3)  # topk + tail + spans
+
+
 def test_bench_prefetch_small(tmp_path):
   doc = run_bench(tmp_path, "small", "--steps=3")
   step, compare, *rest = doc["rows"]
