@@ -149,7 +149,7 @@ def main(argv):
     base = 2 + FLAGS.steps
     for i in range(base, base + FLAGS.steps):  # profiled apart: under the profiler the timed steps ran slower
       profiler.enable()
-      step(i)
+      update = step(i)  # the latest update: its buffers are the ones the next steps reuse (compare_gathers)
       profiler.disable()
     base += FLAGS.steps
     with GilProbe(threading.get_ident()) as probe:
