@@ -2,9 +2,10 @@
 
 A saved context is a directory, written under a temporary name, fsynced and renamed into place:
 
-    manifest.json   format version, model identity, a save id, policy and options, prompt
-                    lengths, capacity, the device count, the state's structure with each leaf's
-                    shape, dtype and crc32, and the crc32 of the manifest itself
+    manifest.json   format version, model identity (with a fingerprint of the weights), a
+                    save id, policy and options, prompt lengths, capacity, the device count,
+                    the state's structure with each leaf's shape, dtype and crc32, and the
+                    crc32 of the manifest itself
     state/          the policy state's device arrays and the prompts' last hidden states (orbax)
     host.bin        the host store and indexes (host_index persistence, itself checksummed)
 
@@ -13,7 +14,7 @@ A context prefilled over N > 1 devices (kvjax.sharding) is saved as N per-device
 device's own store and indexes); it loads only onto a model sharded over N devices, each device
 getting back its own share.
 
-Loading checks the model identity (name, architecture hash, dtype; not the weights' values),
+Loading checks the model identity (name, architecture hash, dtype, weights fingerprint),
 every leaf's shape, dtype and checksum, and the host files' own checksums and that they belong
 to this save and device (the save id and device index in their meta); any mismatch, and a
 missing or unreadable part, is a ValueError before the context is used. Paths may be relative
@@ -54,7 +55,8 @@ VERSION = 9  # 2: freekv states carry the per_step exchange rows (step_*); 3: an
 # pool_counts; 5: kcodes, klo, kstep; 6: retrieval per_step buffers of topk + sources * successors + tail_slots
 # rows (sources = successor_sources since ffdc098, topk before); 7: retrieval per_step rings of window + lag
 # tokens past the sinks, no recent_* ring; 8: the manifest's own checksum (version 7 files, without it, still load);
-# 9: a save id, also in each host file's meta with its device index (8 and 7 load without that check)
+# 9: a save id, also in each host file's meta with its device index, and the weights' fingerprint in the model
+# identity (8 and 7 load without those checks)
 _READABLE_VERSIONS = (7, 8, 9)
 _STATE_MODULE_PREFIX = "kvjax."  # state classes are only ever imported from kvjax itself
 
@@ -153,7 +155,7 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
   manifest = {
       "format": FORMAT,
       "version": VERSION,
-      "model": {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype},
+      "model": _identity(context),
       "save_id": uuid.uuid4().hex,
       "policy": {"name": policy.name, "options": _policy_options(policy)},
       "prompt_lengths": list(context.prompt_lengths),
@@ -190,6 +192,12 @@ def save_context(context: PrefilledContext, path: str | os.PathLike, *, overwrit
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   _replace(tmp, path)
+
+
+def _identity(context: PrefilledContext) -> dict:
+  """The model identity a manifest records (and each host file's meta repeats)."""
+  identity = {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype}
+  return identity | ({"weights": context.weights} if context.weights else {})
 
 
 def _absolute(path) -> pathlib.Path:
@@ -330,7 +338,8 @@ def load_context(path: str | os.PathLike, model, *, policy_options: dict | None 
   manifest = read_manifest(path)
   identity = manifest["model"]
   probe = PrefilledContext(model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"],
-                           policy=None, state=None, prompt_lengths=[], capacity=0, last_hidden=None)
+                           policy=None, state=None, prompt_lengths=[], capacity=0, last_hidden=None,
+                           weights=identity.get("weights", ""))
   check_model(model, probe)
 
   devices = int(manifest.get("devices", 1))
@@ -401,7 +410,7 @@ def copy_context(context: PrefilledContext, model, *, policy_options: dict | Non
     host = policy.host_context(state)
     hosts.append(None if host is None else host.copy())
   fresh = lambda array: jnp.array(array, copy=True)  # decode donates the copy's buffers, not the original's
-  identity = {"name": context.model_name, "config_hash": context.config_hash, "dtype": context.dtype}
+  identity = _identity(context)
   return _assemble(model, new_policy, [jax.tree.map(fresh, state) for state in states], hosts, identity=identity,
                    prompt_lengths=list(context.prompt_lengths), capacity=context.capacity,
                    last_hidden=fresh(context.last_hidden), prefill_seconds=context.prefill_seconds,
@@ -439,7 +448,8 @@ def _assemble(model, policy, states, hosts, *, identity, prompt_lengths, capacit
   return PrefilledContext(
       model_name=identity["name"], config_hash=identity["config_hash"], dtype=identity["dtype"], policy=policy,
       state=state, prompt_lengths=prompt_lengths, capacity=capacity, last_hidden=last_hidden,
-      prefill_seconds=prefill_seconds, metadata=metadata, _release=policy.release_fn(state))
+      prefill_seconds=prefill_seconds, metadata=metadata, weights=identity.get("weights", ""),
+      _release=policy.release_fn(state))
 
 
 def _per_device_states(context: PrefilledContext):

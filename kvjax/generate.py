@@ -19,6 +19,7 @@ from kvjax.policies import AttentionPolicy, make_policy
 from kvjax.sampling import SamplingConfig
 from kvjax.sharding import ShardedPolicy, replicated
 from models.config import ModelConfig
+from models.decoder import weights_fingerprint
 from models.rope import rope_tables
 
 # Capacity is rounded up so that a few different prompt lengths share one compiled program.
@@ -157,7 +158,8 @@ class PrefilledContext:
   fresh copy per decode.
 
   Attributes:
-    model_name, config_hash, dtype: the identity of the model that made it.
+    model_name, config_hash, dtype, weights: the identity of the model that made it (weights:
+      models.decoder.weights_fingerprint; "" for a context saved before it was recorded).
     policy: the attention policy the state belongs to.
     state: the policy state after `finish_prefill` (decode layout).
     prompt_lengths: tokens per prompt.
@@ -176,6 +178,7 @@ class PrefilledContext:
   last_hidden: Any
   prefill_seconds: float = 0.0
   metadata: dict = dataclasses.field(default_factory=dict)  # the caller's notes, saved with the context
+  weights: str = ""
   spent: bool = False
   _release: Callable[[], None] = lambda: None
 
@@ -277,7 +280,7 @@ def prefill(
   return PrefilledContext(
       model_name=cfg.name, config_hash=cfg.config_hash(), dtype=cfg.dtype, policy=attention, state=state,
       prompt_lengths=lengths, capacity=capacity, last_hidden=last_hidden,
-      prefill_seconds=time.perf_counter() - start, _release=release)
+      prefill_seconds=time.perf_counter() - start, weights=weights_fingerprint(model.params), _release=release)
 
 
 def _layer_major(model, attention, rope, chunks, last_index, last_hidden, state, *, staged, on_prefill_progress,
@@ -308,12 +311,15 @@ def _layer_major(model, attention, rope, chunks, last_index, last_hidden, state,
 
 
 def check_model(model, context: PrefilledContext) -> None:
-  """Refuses a context made by another model (name, architecture hash or dtype)."""
+  """Refuses a context made by another model (name, architecture hash, dtype or weights)."""
   cfg = model.cfg
   theirs = (context.model_name, context.config_hash, context.dtype)
   ours = (cfg.name, cfg.config_hash(), cfg.dtype)
   if theirs != ours:
     raise ValueError(f"context was made by model {theirs} (name, config hash, dtype), not by {ours}")
+  if context.weights and context.weights != weights_fingerprint(model.params):
+    raise ValueError(f"context was made by model {ours} with other weights (fingerprint {context.weights}, this "
+                     f"model's {weights_fingerprint(model.params)}): another checkpoint of the same architecture")
 
 
 def check_mesh(model, context: PrefilledContext) -> None:

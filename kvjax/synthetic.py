@@ -43,6 +43,7 @@ from kvjax.policies import make_policy
 from kvjax.policies.base import HostBackedMixin
 from kvjax.policies.full import DenseKVCache, FullAttention, write_and_attend, write_tokens
 from models.config import ModelConfig
+from models.decoder import weights_fingerprint
 from models.rope import apply_rope, rope_tables
 
 # Positions written for nothing: far past any capacity, and small enough that a policy's
@@ -411,4 +412,5 @@ def synthetic_prefill(
       model_name=cfg.name, config_hash=cfg.config_hash(), dtype=cfg.dtype, policy=attention, state=state,
       prompt_lengths=lengths, capacity=capacity, last_hidden=last_hidden,
       prefill_seconds=time.perf_counter() - start_time,
-      metadata={"synthetic": stats.describe() + f", seed {seed}"}, _release=release)
+      metadata={"synthetic": stats.describe() + f", seed {seed}"}, weights=weights_fingerprint(model.params),
+      _release=release)

@@ -203,6 +203,37 @@ def fuse_projections(params):
   return dict(params, layers=layers)
 
 
+# Per layer, the weights whose leading columns read the same in every layout: the never-fused ones,
+# and the first of each fused group (wq leads wqkv, w_gate leads w_gate_up).
+_FINGERPRINT_WEIGHTS = (("input_norm",), ("wq", "wqkv"), ("wo",), ("w_gate", "w_gate_up"), ("w_down",))
+
+
+def weights_fingerprint(params) -> str:
+  """A short hex digest of the weights' values that does not depend on their layout (stacked or
+  unrolled, fused or not): crc32 of the first row's first 64 entries of the embedding, the final
+  norm, an untied lm_head and the first and last layers' weights in _FINGERPRINT_WEIGHTS. Tells
+  two checkpoints of one architecture apart (a fine-tune, another quantization, another seed)."""
+  import zlib
+
+  import numpy as np
+
+  def head(x):  # the first row's first 64 entries, as host bytes
+    x = x[(0,) * (x.ndim - 1)][:64] if x.ndim else x
+    return np.ascontiguousarray(np.asarray(jax.device_get(x)).astype(np.float32)).tobytes()
+
+  layers = params["layers"]
+  stacked = not isinstance(layers, (list, tuple))
+  count = jax.tree.leaves(layers)[0].shape[0] if stacked else len(layers)
+  samples = [head(params[k]) for k in ("embed", "final_norm", "lm_head") if k in params]
+  for l in sorted({0, count - 1}):
+    lp = layers if stacked else layers[l]
+    for names in _FINGERPRINT_WEIGHTS:
+      name = next((n for n in names if n in lp), None)
+      if name is not None:
+        samples.append(head(lp[name][l] if stacked else lp[name]))
+  return f"{zlib.crc32(b''.join(samples)) & 0xFFFFFFFF:08x}"
+
+
 def decode_layout(params, *, unroll: bool):
   """The parameter layout decoding runs fastest with: fused projections, and on a GPU
   (`unroll=True`) per-layer weights so the unrolled layers read them in place."""

@@ -293,3 +293,17 @@ def test_a_load_after_an_interrupted_overwrite_names_the_context_left_aside(tmp_
   (tmp_path / "ctx").rename(tmp_path / ".ctx.old-1234abcd")  # as a crash between the fallback's two renames leaves it
   with pytest.raises(ValueError, match=r"interrupted overwrite.*\.ctx\.old-1234abcd"):
     kvjax.load_context(tmp_path / "ctx", model)
+
+
+def test_a_context_of_other_weights_is_refused(tmp_path):
+  """Same name, architecture and dtype, other weights (another seed: as a fine-tune or another
+  quantization of one model): it loaded and decoded other tokens before the fingerprint."""
+  model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+  assert (model.cfg.name, model.cfg.config_hash()) == (other.cfg.name, other.cfg.config_hash())
+  save_prefilled(tmp_path / "ctx", model, dict(index="flat", topk=6, **SMALL))
+  with pytest.raises(ValueError, match="other weights"):
+    kvjax.load_context(tmp_path / "ctx", other)
+  kvjax.load_context(tmp_path / "ctx", model).close()  # its own model still loads it
+  context = kvjax.prefill(model, prompts(), max_new_tokens=8, prefill_chunk=16)
+  with pytest.raises(ValueError, match="other weights"):
+    kvjax.decode(other, context, max_new_tokens=4)
