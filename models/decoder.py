@@ -38,10 +38,12 @@ sum of the full projection.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ModelConfig
 from models.rope import apply_rope
@@ -213,10 +215,6 @@ def weights_fingerprint(params) -> str:
   unrolled, fused or not): crc32 of the first row's first 64 entries of the embedding, the final
   norm, an untied lm_head and the first and last layers' weights in _FINGERPRINT_WEIGHTS. Tells
   two checkpoints of one architecture apart (a fine-tune, another quantization, another seed)."""
-  import zlib
-
-  import numpy as np
-
   def head(x):  # the first row's first 64 entries, as host bytes
     x = x[(0,) * (x.ndim - 1)][:64] if x.ndim else x
     return np.ascontiguousarray(np.asarray(jax.device_get(x)).astype(np.float32)).tobytes()

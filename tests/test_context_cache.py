@@ -295,6 +295,17 @@ def test_a_load_after_an_interrupted_overwrite_names_the_context_left_aside(tmp_
     kvjax.load_context(tmp_path / "ctx", model)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_the_weights_fingerprint_does_not_depend_on_the_layout(family):
+  from models.decoder import decode_layout, weights_fingerprint
+
+  params = tiny_model(family).params
+  stacked = weights_fingerprint(params)
+  assert stacked == weights_fingerprint(decode_layout(params, unroll=False))  # fused, stacked
+  assert stacked == weights_fingerprint(decode_layout(params, unroll=True))  # fused, one dict a layer
+  assert stacked != weights_fingerprint(tiny_model(family, seed=1).params)
+
+
 def test_a_context_of_other_weights_is_refused(tmp_path):
   """Same name, architecture and dtype, other weights (another seed: as a fine-tune or another
   quantization of one model): it loaded and decoded other tokens before the fingerprint."""
