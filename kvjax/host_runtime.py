@@ -87,7 +87,10 @@ class HostStats:
   speculated_groups: int = 0  # (seq, layer, kv head, step) served from the previous selection
   corrected_groups: int = 0  # ... corrected synchronously (query drifted below tau)
   refreshed_groups: int = 0  # bridge="per_step": ... searched again only on their turn in the rotation
-  reused_hits: int = 0  # reused ids that are in the current query's exact search result
+  # Ids a step used from an older search that the step's own search returns too. per_layer: over
+  # the heads that reused; per_step: over the heads that searched at the next exchange (a group
+  # that keeps its search has no fresh result to score against), so drifted groups weigh in more.
+  reused_hits: int = 0
   reused_total: int = 0
   repeated_steps: int = 0  # bridge="per_step", lag 0: steps run again on rows searched with their own queries
 
