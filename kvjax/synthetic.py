@@ -318,7 +318,8 @@ def synthetic_prefill(
     stats: from `fit_statistics`.
     lengths: tokens per sequence; each at least stats.head_len + stats.tail_len.
     max_new_tokens: generation the context is sized for.
-    policy: a policy that takes written prompts (full, retrieval, freekv) or its name.
+    policy: a policy that takes written prompts (full, retrieval, freekv) or its name; its sinks
+      and window must lie within the statistics' real head and tail.
     policy_options: keyword options of the named policy.
     seed: the draws' seed; the same seed gives the same keys and values whatever the policy.
     chunk: middle positions drawn per step (bounds the draws' device memory).
@@ -350,6 +351,11 @@ def synthetic_prefill(
   if not attention.takes_written_prompt:
     raise ValueError(f"policy {attention.name!r} cannot be filled with a synthetic context "
                      "(full, retrieval and freekv can)")
+  sinks, window = getattr(attention, "sinks", 0), getattr(attention, "window", 0)
+  if sinks > stats.head_len or window > stats.tail_len:  # the device would attend Gaussian draws as sinks / window
+    raise ValueError(f"policy {attention.name!r} keeps sinks={sinks} and window={window} on the device, but the "
+                     f"statistics hold {stats.head_len} real head and {stats.tail_len} real tail tokens: fit them "
+                     "with head_len >= sinks and tail_len >= window")
   check_context(cfg, max(lengths), max_new_tokens)
   needed, available = host_kv_bytes(attention, cfg, lengths), _available_host_bytes()
   if available is not None and needed > 0.9 * available:

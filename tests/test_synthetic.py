@@ -127,6 +127,9 @@ def test_bad_requests_fail_before_any_work(model, stats):
     synthetic.synthetic_prefill(model, stats, [63])
   with pytest.raises(ValueError, match="'streaming' cannot be filled"):
     synthetic.synthetic_prefill(model, stats, [500], policy="streaming")
+  for options in (dict(sinks=HEAD + 1, window=32), dict(sinks=16, window=TAIL + 1)):  # not real tokens
+    with pytest.raises(ValueError, match="real head"):
+      synthetic.synthetic_prefill(model, stats, [500], policy="retrieval", policy_options=dict(index="flat", **options))
   with pytest.raises(ValueError, match="fitted with model"):
     synthetic.synthetic_prefill(tiny_model(max_position=8192, num_layers=3), stats, [500])
   with pytest.raises(ValueError, match="exceeds the context"):
