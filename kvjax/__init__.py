@@ -14,7 +14,7 @@ from kvjax.prompts import PasskeyPrompt, passkey_prompt
 from kvjax.sampling import SamplingConfig
 
 
-def load_model(name_or_path: str = "smollm2", *, devices: int | None = None, **kwargs):
+def load_model(name_or_path: str = "smollm2", *, devices: int | list | None = None, **kwargs):
   """Loads a model by name or path (see models.registry.load_model).
 
   devices: shard the KV heads (and the weights, tensor-parallel) over this many local devices,
