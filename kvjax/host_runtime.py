@@ -370,9 +370,7 @@ class HostRuntime:
       ids, scanned = self._search(layer, queries)
       self._count_scanned(scanned)
       correct = np.ones((B, Hkv), bool)
-      forced = True
     else:
-      forced = False
       ids, scanned = background  # ids of the previous query: the speculative selection
       self._count_scanned(scanned)  # that search (every head, on the background thread)
       self._score_reuse(layer, ids)
@@ -382,7 +380,6 @@ class HostRuntime:
         fresh, fresh_scanned = self._search(layer, queries, heads=heads)
         ids = np.where(heads[..., None], fresh, ids)
         self._count_scanned(fresh_scanned[heads])  # and the corrections' own searches
-    if not forced:
       self.stats.corrected_groups += int(correct.sum())
       self.stats.speculated_groups += int((~correct).sum())
     o, lse = self._attend_ids(layer, queries, _with_unindexed(ids, unindexed))

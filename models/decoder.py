@@ -215,10 +215,7 @@ def weights_fingerprint(params) -> str:
   unrolled, fused or not): crc32 of the first row's first 64 entries of the embedding, the final
   norm, an untied lm_head and the first and last layers' weights in _FINGERPRINT_WEIGHTS. Tells
   two checkpoints of one architecture apart (a fine-tune, another quantization, another seed)."""
-  def head(x):  # the first row's first 64 entries, as host bytes
-    x = x[(0,) * (x.ndim - 1)][:64] if x.ndim else x
-    return np.ascontiguousarray(np.asarray(jax.device_get(x)).astype(np.float32)).tobytes()
-
+  head = lambda x: x[(0,) * (x.ndim - 1)][:64]  # the first row's first 64 entries
   layers = params["layers"]
   stacked = not isinstance(layers, (list, tuple))
   count = jax.tree.leaves(layers)[0].shape[0] if stacked else len(layers)
@@ -229,7 +226,8 @@ def weights_fingerprint(params) -> str:
       name = next((n for n in names if n in lp), None)
       if name is not None:
         samples.append(head(lp[name][l] if stacked else lp[name]))
-  return f"{zlib.crc32(b''.join(samples)) & 0xFFFFFFFF:08x}"
+  host = jax.device_get(samples)  # one transfer, not one per sample
+  return f"{zlib.crc32(b''.join(np.asarray(x, np.float32).tobytes() for x in host)) & 0xFFFFFFFF:08x}"
 
 
 def decode_layout(params, *, unroll: bool):

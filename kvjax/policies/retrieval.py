@@ -225,8 +225,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     (a head reading a span token by token ranks the position it reads first; successors of
     all 100 cost 3.2 ms a step at 128K, SmolLM2 shapes: experiments/results/*_successors*).
   pinned: per_step only: each query head's best `pinned` ids for the prompt's last queries (the
-    question; `pinned_window` says how many), each with the `pinned_span - 1` tokens after it, stay in every selection of the
-    decode (beyond both papers; in the spirit of SnapKV's observation window): a lagged or
+    question; `pinned_window` says how many), each with the `pinned_span - 1` tokens after it,
+    stay in every selection of the decode (beyond both papers; in the spirit of SnapKV's
+    observation window): a lagged or
     reused selection then still holds the needles the question asked for when the answer turns
     to another one (kvjax.prefetch_runtime.PrefetchRuntime.pin). Default: 16 (at most topk) with
     per_step, 0 (off) otherwise; it costs pinned * pinned_span device rows per query head, copied
