@@ -72,7 +72,9 @@ def build_runtime(rng) -> PrefetchRuntime:
     keys = rng.standard_normal((Hkv, n, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
     context.append(0, layer, 0, keys, keys)
     context.build_layer(layer)
-    context.store.reserve(0, layer, n + 2 + FLAGS.steps + FLAGS.gil_probe_steps + 8)  # no store growth in the timed steps
+    # Room for every step run (warm-up, timed, profiled, probed), as decode reserves it: no store
+    # or index growth inside a step.
+    context.reserve(0, layer, n + 2 + 2 * FLAGS.steps + FLAGS.gil_probe_steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
