@@ -19,8 +19,6 @@ from ops.partial_attention import partial_attention
 from ops.partial_attention import partial_attention_reference
 from ops.prefill_attention import prefill_attention
 from ops.prefill_attention import prefill_attention_reference
-from ops.rows_attention import partial_attention_with_rows
-from ops.rows_attention import partial_attention_with_rows_reference
 from ops.topk import exact_topk
 from ops.topk import exact_topk_reference
 from ops.topk import nearest_keys
@@ -42,8 +40,6 @@ __all__ = [
     "paged_partial_attention_reference",
     "partial_attention",
     "partial_attention_reference",
-    "partial_attention_with_rows",
-    "partial_attention_with_rows_reference",
     "prefill_attention",
     "prefill_attention_reference",
 ]

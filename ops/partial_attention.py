@@ -65,87 +65,6 @@ def default_config(batch: int, kv_heads: int, seq_len: int, head_dim: int,
   return block_k, num_splits, split_len
 
 
-def fold_interval(
-    q,  # [Gp, D] in the cache dtype: one KV head's query group
-    k_ref,  # [L, B, Hkv, S, D] ref: the whole cache, indexed in place
-    v_ref,  # [L, B, Hkv, S, D] ref
-    index,  # (layer, b, h): which [S, D] slice of the cache
-    start,  # [] int32: first key of the interval
-    length,  # [] int32: one past its last key
-    carry,  # (acc [Gp, D], m [Gp], l [Gp]) float32 online-softmax state
-    *,
-    lo,  # [] int32: only keys in [lo, hi) are this program's (its split)
-    hi,
-    block_k: int,
-    seq_len: int,
-    scale: float,
-):
-  """Folds the keys [max(start, lo), min(length, hi)) of one cache slice into an online-softmax
-  carry, block by block (a Pallas kernel's body; shared by this module's kernel and others that
-  attend a ring, e.g. ops.ring_rows_attention)."""
-  # Triton treats DEFAULT precision as TF32: ask for IEEE f32 when storage is f32.
-  precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
-  ragged_tail = seq_len % block_k != 0
-
-  def body(i, carry, *, masked: bool):
-    acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp]
-    nominal = i * block_k
-    if masked and ragged_tail:
-      # The last block is shifted back inside the buffer (no out-of-bounds
-      # reads, no masked loads); keys before `nominal` were counted already.
-      blk = jnp.minimum(nominal, seq_len - block_k)
-    else:
-      blk = pl.multiple_of(nominal, block_k)
-    k = k_ref[(*index, pl.ds(blk, block_k), slice(None))]  # [bk, D]
-    v = v_ref[(*index, pl.ds(blk, block_k), slice(None))]  # [bk, D]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                        preferred_element_type=jnp.float32) * scale  # [Gp, bk]
-    if masked:
-      pos = blk + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-      valid = (pos >= jnp.maximum(start, nominal)) & (pos < length)  # [bk]
-      s = jnp.where(valid[None, :], s, _NEG_INF)
-      # Zero invalid rows of V so garbage (even NaN) outside the set cannot leak.
-      v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp(m_prev - m_next)
-    p = jnp.exp(s - m_next[:, None])  # [Gp, bk]
-    l_next = alpha * l_prev + jnp.sum(p, axis=1)
-    pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
-                 preferred_element_type=jnp.float32)
-    return alpha[:, None] * acc + pv, m_next, l_next
-
-  lo = jnp.maximum(start, lo)
-  hi = jnp.minimum(jnp.minimum(length, hi), seq_len)
-  first = lo // block_k
-  # Only blocks that hold at least one valid key are visited, so m stays finite.
-  last = jnp.where(hi > lo, pl.cdiv(hi, block_k), first)
-  masked_body = functools.partial(body, masked=True)
-  # Only the first and last visited blocks can be partial: they take the masked
-  # body; the interior loop runs mask-free (the hot path at long lengths).
-  carry = lax.fori_loop(first, jnp.minimum(first + 1, last), masked_body, carry)
-  interior_end = jnp.maximum(last - 1, first + 1)
-  if ragged_tail:
-    # A block that reaches past the buffer end must be shifted: keep it masked.
-    interior_end = jnp.minimum(interior_end, seq_len // block_k)
-  carry = lax.fori_loop(first + 1, interior_end, functools.partial(body, masked=False), carry)
-  return lax.fori_loop(jnp.maximum(interior_end, first + 1), last, masked_body, carry)
-
-
-def empty_carry(gp: int, head_dim: int):
-  """The online-softmax state of an empty set: (acc [Gp, D], m [Gp], l [Gp]) float32."""
-  return (jnp.zeros((gp, head_dim), jnp.float32), jnp.full((gp,), _NEG_INF, jnp.float32),
-          jnp.zeros((gp,), jnp.float32))
-
-
-def finish_carry(carry):
-  """(o [Gp, D] normalized, lse [Gp]) of an online-softmax state; an empty row gives 0, -inf."""
-  acc, m, l = carry
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)
-  return (jnp.where(nonempty[:, None], acc / safe_l[:, None], 0.0),
-          jnp.where(nonempty, m + jnp.log(safe_l), _NEG_INF))
-
-
 def _kernel(
     layer_ref,  # [1] int32: layer of the stacked cache (0 when not stacked)
     starts_ref,  # [] int32: first valid key of this sequence
@@ -165,14 +84,70 @@ def _kernel(
     second: bool,
 ):
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
+
+  gp, head_dim = q_ref.shape
   q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
-  fold = functools.partial(fold_interval, q, k_ref, v_ref, (layer_ref[0], b, h), lo=split * split_len,
-                           hi=(split + 1) * split_len, block_k=block_k, seq_len=seq_len, scale=scale)
-  carry = fold(starts_ref[()], lengths_ref[()], empty_carry(*q_ref.shape))
+  # Triton treats DEFAULT precision as TF32: ask for IEEE f32 when storage is f32.
+  precision = lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+  ragged_tail = seq_len % block_k != 0
+
+  def body(i, carry, *, start, length, masked: bool):
+    acc, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp]
+    nominal = i * block_k
+    if masked and ragged_tail:
+      # The last block is shifted back inside the buffer (no out-of-bounds
+      # reads, no masked loads); keys before `nominal` were counted already.
+      blk = jnp.minimum(nominal, seq_len - block_k)
+    else:
+      blk = pl.multiple_of(nominal, block_k)
+    k = k_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
+    v = v_ref[layer, b, h, pl.ds(blk, block_k), :]  # [bk, D]
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * scale  # [Gp, bk]
+    if masked:
+      pos = blk + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+      valid = (pos >= jnp.maximum(start, nominal)) & (pos < length)  # [bk]
+      s = jnp.where(valid[None, :], s, _NEG_INF)
+      # Zero invalid rows of V so garbage (even NaN) outside the set cannot leak.
+      v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.exp(s - m_next[:, None])  # [Gp, bk]
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    pv = jnp.dot(p.astype(v.dtype), v, precision=precision,
+                 preferred_element_type=jnp.float32)
+    return alpha[:, None] * acc + pv, m_next, l_next
+
+  def visit(start, length, carry):
+    """Folds this split's share of the keys [start, length) into the carry."""
+    lo = jnp.maximum(start, split * split_len)
+    hi = jnp.minimum(jnp.minimum(length, (split + 1) * split_len), seq_len)
+    first = lo // block_k
+    # Only blocks that hold at least one valid key are visited, so m stays finite.
+    last = jnp.where(hi > lo, pl.cdiv(hi, block_k), first)
+    masked_body = functools.partial(body, start=start, length=length, masked=True)
+    # Only the first and last visited blocks can be partial: they take the masked
+    # body; the interior loop runs mask-free (the hot path at long lengths).
+    carry = lax.fori_loop(first, jnp.minimum(first + 1, last), masked_body, carry)
+    interior_end = jnp.maximum(last - 1, first + 1)
+    if ragged_tail:
+      # A block that reaches past the buffer end must be shifted: keep it masked.
+      interior_end = jnp.minimum(interior_end, seq_len // block_k)
+    carry = lax.fori_loop(first + 1, interior_end,
+                          functools.partial(body, start=start, length=length, masked=False), carry)
+    return lax.fori_loop(jnp.maximum(interior_end, first + 1), last, masked_body, carry)
+
+  acc = jnp.zeros((gp, head_dim), jnp.float32)
+  m = jnp.full((gp,), _NEG_INF, jnp.float32)
+  l = jnp.zeros((gp,), jnp.float32)
+  acc, m, l = visit(starts_ref[()], lengths_ref[()], (acc, m, l))
   if second:  # (static: a one-interval call compiles without it)
     # A block both intervals touch is read twice, each time masked to its own interval.
-    carry = fold(starts2_ref[()], lengths2_ref[()], carry)
-  o_ref[...], lse_ref[...] = finish_carry(carry)
+    acc, m, l = visit(starts2_ref[()], lengths2_ref[()], (acc, m, l))
+  nonempty = l > 0
+  o_ref[...] = jnp.where(nonempty[:, None], acc / jnp.where(nonempty, l, 1.0)[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
 
 
 @functools.partial(

@@ -2,8 +2,8 @@
 previous step's queries between steps (kvjax.prefetch_runtime).
 
 The host half is checked against brute force (exact top-k of the given queries, the stored
-rows gathered, evicted tokens kept); the device half (`ops.partial_attention_with_rows`) in
-tests/test_ops_rows_attention.py; the whole against `full` when the budget covers the context.
+rows gathered, evicted tokens kept); the device half (`attend_rows`) against dense masked
+attention; the whole against `full` when the budget covers the context.
 """
 
 import dataclasses
@@ -16,7 +16,7 @@ import host_index
 import kvjax
 from kvjax import host_runtime, prefetch_runtime, row_update
 from kvjax.policies import RetrievalAttention
-from kvjax.policies.retrieval import prompt_window
+from kvjax.policies.retrieval import attend_rows, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
@@ -459,6 +459,25 @@ def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
     assert runtime.context.indexed(0, 0) == n + 1  # indexed by the background job
   finally:
     runtime.close()
+
+
+def test_attend_rows_matches_dense_masked_attention():
+  rng = np.random.default_rng(1)
+  B, H, n, D = 2, 3, 7, 16
+  q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in ((B, H, D), (B, H, n, D), (B, H, n, D)))
+  valid = rng.random((B, H, n)) < 0.6
+  valid[0, 0] = False  # one head with nothing: o = 0, lse = -inf
+  o, lse = attend_rows(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), scale=0.3)
+  for b in range(B):
+    for h in range(H):
+      s = 0.3 * k[b, h] @ q[b, h]
+      if not valid[b, h].any():
+        assert np.all(np.asarray(o[b, h]) == 0) and np.asarray(lse[b, h]) == -np.inf
+        continue
+      s = np.where(valid[b, h], s, -np.inf)
+      w = np.exp(s - s.max())
+      np.testing.assert_allclose(o[b, h], (w / w.sum()) @ v[b, h], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2])

@@ -590,11 +590,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return (jnp.where(pos < S, pos, S + (pos - S) % R), jnp.where(pos >= S, (pos - S) % R, R),
             jnp.where(evicted >= S, evicted, -1), S + evicted_r, evicted_r)
 
-  def _write_ring(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    """Writes the new token into the ring -> (the state with the updated rings, lo [B]): the ring
-    attends the sinks and the positions [lo, pos], lo = max(pos - ring_len + 1, prompt length -
-    window, sinks), the tokens not yet in the host's rows (the prompt's are from its last
-    `window` on)."""
+  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+    """Writes the new token into the ring and attends the ring on the device: the sinks and the
+    positions [lo, pos], lo = max(pos - ring_len + 1, prompt length - window, sinks), the
+    tokens not yet in the host's rows (the prompt's are from its last `window` on).
+
+    Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the state with the updated rings)."""
     S, W, R = self.sinks, self.window, self.ring_len
     pos = positions[:, 0]  # [B]
     b = jnp.arange(q.shape[0], dtype=jnp.int32)
@@ -607,16 +608,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       leaving = (pos - W - S)[:, None, None]  # its store id
       held = jnp.all(jnp.any(state.buf_ids[layer] == leaving, axis=-1), axis=-1) & (pos - W >= S)  # [B]: every head
       lo = jnp.where(held, jnp.maximum(lo, pos - W + 1), lo)
-    return state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q), lo
-
-  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
-    """`_write_ring`, then the ring attended on the device -> (o_dev [B, Hq, D], lse_dev [B, Hq],
-    the state with the updated rings)."""
-    state, lo = self._write_ring(cfg, layer, q, k, v, positions, state)
-    o_dev, lse_dev = attend_ring(q[:, 0], state.ring_k, state.ring_v, positions[:, 0], lo, sinks=self.sinks,
-                                 ring_len=self.ring_len, layer=layer, scale=cfg.attn_scale,
-                                 implementation=resolve_implementation(self.implementation))
-    return o_dev, lse_dev, state
+    o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
+                                 scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
+    return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
 
   def _evicted(self, state: RetrievalState, layers, pos):
     """The tokens leaving the window as `pos` [B] enters: (k, v [B, *layers, Hkv, D],
@@ -644,14 +638,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     """bridge="per_step": the ring (window and the last `lag` tokens to leave it) and the rows
     the host retrieved, both on the device."""
-    state, lo = self._write_ring(cfg, layer, q, k, v, positions, state)
+    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
-    starts, lengths, starts2, lengths2 = ring_intervals(positions[:, 0], lo, sinks=self.sinks, ring_len=self.ring_len)
-    # One kernel for the ring, the rows and their merge (ops.rows_attention says why).
-    o, _ = ops.partial_attention_with_rows(
-        q0, state.ring_k, state.ring_v, lengths, state.buf_k, state.buf_v, state.buf_ids, starts=starts,
-        starts2=starts2, lengths2=lengths2, layer=layer, scale=cfg.attn_scale,
-        implementation=resolve_implementation(self.implementation))
+    o_rows, lse_rows = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
+                                   scale=cfg.attn_scale)
+    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
@@ -798,6 +789,28 @@ def _host_arrays(step):
           np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
 
 
+def attend_rows(
+    q,  # [B, H, D] one query per head
+    k,  # [B, H, n, D] each head's own rows
+    v,  # [B, H, n, D]
+    valid,  # [B, H, n] bool
+    *,
+    scale: float,
+):
+  """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
+  a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
+  exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
+  scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
+  scores = jnp.where(valid, scores, -jnp.inf)
+  peak = jnp.max(scores, axis=-1, keepdims=True)
+  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+  weights = jnp.exp(scores - peak)  # exactly 0 where invalid
+  total = jnp.sum(weights, axis=-1)
+  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact) / jnp.maximum(total, 1e-30)[..., None]
+  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
+  return o, lse
+
+
 def attend_ring(
     q,  # [B, Hq, D] one decode query per sequence
     ring_k,  # [L, B, Hkv, sinks + ring_len, D]: slot s < sinks holds position s, slot
@@ -812,27 +825,14 @@ def attend_ring(
     implementation: str,
 ):
   """(o, lse) over the sinks and positions [lo, pos] of a circular ring, in one
-  ops.partial_attention call of two intervals (`ring_intervals`; freekv's ring and retrieval's)."""
-  starts, lengths, starts2, lengths2 = ring_intervals(pos, lo, sinks=sinks, ring_len=ring_len)
-  return ops.partial_attention(q, ring_k, ring_v, lengths, starts=starts, starts2=starts2, lengths2=lengths2,
-                               layer=layer, scale=scale, implementation=implementation)
-
-
-def ring_intervals(
-    pos,  # [B] int32: the newest position, already written
-    lo,  # [B] int32, >= sinks: the oldest non-sink position to attend
-    *,
-    sinks: int,
-    ring_len: int,
-):
-  """The ring slots holding the sinks and positions [lo, pos] as two disjoint slot intervals ->
-  (starts, lengths, starts2, lengths2), each [B]: from lo's slot up to the ring's end, and the
-  sinks joined to the wrapped rest (slot s < sinks holds position s, slot sinks + (p - sinks) %
-  ring_len position p)."""
+  ops.partial_attention call of two intervals: from lo's slot up to the ring's end, and the
+  sinks joined to the wrapped rest (freekv's ring and retrieval's)."""
   count = jnp.maximum(pos + 1 - lo, 0)
   a = (lo - sinks) % ring_len
-  return (sinks + a, sinks + jnp.minimum(a + count, ring_len), jnp.zeros_like(pos),
-          jnp.where(pos >= sinks, sinks + jnp.maximum(a + count - ring_len, 0), pos + 1))
+  return ops.partial_attention(
+      q, ring_k, ring_v, sinks + jnp.minimum(a + count, ring_len), starts=sinks + a, starts2=jnp.zeros_like(pos),
+      lengths2=jnp.where(pos >= sinks, sinks + jnp.maximum(a + count - ring_len, 0), pos + 1), layer=layer,
+      scale=scale, implementation=implementation)
 
 
 def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, ring_len: int):
