@@ -260,18 +260,18 @@ class ExchangeLog:
 def exchange_log(monkeypatch):
   log = ExchangeLog()
   policy = freekv_policy.FreeKVAttention
-  step_rows, gather, land = policy._step_rows, policy._gather, policy._land
+  step_arrays, gather, land = policy._step_arrays, policy._gather, policy._land
 
   def rows_spy(state):  # once per gather, in gather order
     log._selections.append(np.asarray(state.selection))
-    return step_rows(state)
+    return step_arrays(state)
 
   def gather_spy(self, runtime, rows, device):
     log.fetches.append(np.array(rows[3]))
     return gather(self, runtime, rows, device)
 
-  def land_spy(self, state, packed):
-    after = land(self, state, packed)
+  def land_spy(self, runtime, state, packed):
+    after = land(self, runtime, state, packed)
     store = self.runtime(after).context  # alive only during the run
     pool_ids, pool_k, pool_v = (np.asarray(a) for a in (after.pool_ids, after.pool_k, after.pool_v))
     same = True
@@ -286,7 +286,7 @@ def exchange_log(monkeypatch):
     log.landed.append((pool_ids, log._selections[i], log.fetches[i], same))
     return after
 
-  monkeypatch.setattr(policy, "_step_rows", staticmethod(rows_spy))
+  monkeypatch.setattr(policy, "_step_arrays", staticmethod(rows_spy))
   monkeypatch.setattr(policy, "_gather", gather_spy)
   monkeypatch.setattr(policy, "_land", land_spy)
   return log
@@ -624,13 +624,13 @@ def test_per_step_hit_rate_scores_the_pool_the_step_attended(lag, monkeypatch):
   step saw it: with lag 2 the selection of two steps back) and how many of them the step's own
   query selects. Scoring the previous step's selection overstated lag 2's hit rate."""
   records = []
-  step_rows = freekv_policy.FreeKVAttention._step_rows
+  step_arrays = freekv_policy.FreeKVAttention._step_arrays
 
   def spy(state):
     records.append((np.asarray(state.pool_ids), np.asarray(state.selection), np.asarray(state.step_counters)))
-    return step_rows(state)
+    return step_arrays(state)
 
-  monkeypatch.setattr(freekv_policy.FreeKVAttention, "_step_rows", staticmethod(spy))
+  monkeypatch.setattr(freekv_policy.FreeKVAttention, "_step_arrays", staticmethod(spy))
   out = run(budget=4 + 8 + 4 * 3, bridge="per_step", lag=lag, dense_layers=(0,))
   stats = out.policy_stats
   hits = reused = 0

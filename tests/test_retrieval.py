@@ -381,3 +381,48 @@ def test_roar_prefill_links_through_exact_then_block_neighbours(monkeypatch):
   assert calls[layers:] == [("blocks", (kv_heads, n), retrieval.CONNECT_CANDIDATES)] * layers
   for result in (linked, blocks):
     assert result.tokens == full.tokens
+
+
+@pytest.mark.parametrize("policy, options", [("retrieval", dict(SMALL, index="flat", topk=8, bridge="per_step", lag=1)),
+                                             ("retrieval", dict(SMALL, index="flat", topk=8, bridge="per_step", lag=2)),
+                                             ("freekv", dict(budget=4 + 8 + 4 * 3, page_size=4, sinks=4, window=8,
+                                                             bridge="per_step", lag=2))])
+def test_after_step_reads_the_device_once(policy, options, monkeypatch):
+  """Between two steps the main thread reads the step's rows, the runtime id and the status in
+  one transfer: every separate read of a device value (a `jax.device_get`, an `int()` of a
+  device scalar) waits for its own copy, on the critical path of a lag-2 step."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  cls = type(make_policy(policy, **options))
+  reads, inside = [], []
+  real_get, real_after, real_checked = jax.device_get, cls.after_step, cls.checked_runtime
+
+  def counted_get(x):
+    if inside:
+      reads.append(x)
+    return real_get(x)
+
+  def after_step(self, cfg, state):
+    inside.append(True)
+    try:
+      return real_after(self, cfg, state)
+    finally:
+      inside.pop()
+
+  def checked_runtime(self, runtime_id, status):
+    assert not isinstance(runtime_id, jax.Array) and not isinstance(status, jax.Array)  # host values already
+    return real_checked(self, runtime_id, status)
+
+  monkeypatch.setattr(jax, "device_get", counted_get)
+  monkeypatch.setattr(cls, "after_step", after_step)
+  monkeypatch.setattr(cls, "checked_runtime", checked_runtime)
+  real_runtime = cls.runtime
+
+  def runtime(self, state):
+    assert not inside, "a separate read of the runtime id between steps"
+    return real_runtime(self, state)
+
+  monkeypatch.setattr(cls, "runtime", runtime)
+  kvjax.generate(tiny_model("llama"), random_prompt(40), max_new_tokens=6, prefill_chunk=16, policy=policy,
+                 policy_options=options)
+  assert len(reads) == 5  # 5 steps (the sixth token comes from the fifth), one read after each

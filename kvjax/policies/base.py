@@ -248,14 +248,21 @@ class HostBackedMixin:
     return host_runtime.lookup(int(state.runtime_id))
 
   def check(self, state) -> None:
+    self.checked_runtime(*jax.device_get((state.runtime_id, state.status)))  # one transfer for both
+
+  def checked_runtime(self, runtime_id, status):
+    """The runtime `runtime_id` names, once any error its host side or the step's callbacks
+    recorded (`status`) is raised. Both are host values read from a state: each read of a device
+    scalar is a synchronous copy, and the per_step bridges read them with the step's rows."""
     from kvjax import host_runtime
 
-    runtime = self.runtime(state)
+    runtime = host_runtime.lookup(int(runtime_id))
     if runtime is None:
-      raise RuntimeError(f"host runtime {int(state.runtime_id)} is gone (released or never created)")
+      raise RuntimeError(f"host runtime {int(runtime_id)} is gone (released or never created)")
     runtime.raise_errors()
-    if int(state.status) != host_runtime.STATUS_OK:
-      raise RuntimeError(f"{self.name} host callback returned status {int(state.status)}")
+    if int(status) != host_runtime.STATUS_OK:
+      raise RuntimeError(f"{self.name} host callback returned status {int(status)}")
+    return runtime
 
   def release_fn(self, state):
     runtime = self.runtime(state)

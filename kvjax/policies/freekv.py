@@ -554,9 +554,9 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
           scale=cfg.attn_scale, implementation=self._score_impl(cfg))
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
-      packed = self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices())))
+      packed = self._gather(runtime, jax.device_get(self._step_arrays(state)), next(iter(state.pool_k.devices())))
       if i == 0:
-        state = self._land(state, packed)
+        state = self._land(runtime, state, packed)
       else:
         runtime.pending = _done(packed)
     runtime.stats = freekv_host.FreeKVStats()  # the priming exchanges belong to the prefill
@@ -568,21 +568,24 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     `after_step` lands."""
     if self.bridge == "per_step" and self.lag == 2:
       runtime = self.runtime(state)
-      runtime.pending = _done(self._gather(runtime, self._step_rows(state), next(iter(state.pool_k.devices()))))
+      rows = jax.device_get(self._step_arrays(state))
+      runtime.pending = _done(self._gather(runtime, rows, next(iter(state.pool_k.devices()))))
       runtime.stats = freekv_host.FreeKVStats()
     return state
 
   def after_step(self, cfg, state: FreeKVState) -> FreeKVState:
-    self.check(state)
     if self.bridge != "per_step":
+      self.check(state)
       return state
-    runtime = self.runtime(state)
     t0 = time.perf_counter()
-    rows = self._step_rows(state)  # read now: the next step donates these buffers
+    # Read now (the next step donates these buffers), with the runtime id and status in the same
+    # transfer: each separate read of a device value waits for its own copy.
+    runtime_id, status, rows = jax.device_get((state.runtime_id, state.status, self._step_arrays(state)))
+    runtime = self.checked_runtime(runtime_id, status)
     runtime.stats.rows_seconds += time.perf_counter() - t0
     device = next(iter(state.pool_k.devices()))
     if self.lag == 1:
-      return self._land(state, self._gather(runtime, rows, device))
+      return self._land(runtime, state, self._gather(runtime, rows, device))
     # lag 2: land the previous step's exchange, then run this one's on the host thread while the
     # next step runs (it attends the pool as landed here).
     if runtime.pending is None:
@@ -592,15 +595,15 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     waited = time.perf_counter() - t0
     runtime.stats.exchange_wait_seconds += waited
     runtime.stats.slowest_wait_ms = max(runtime.stats.slowest_wait_ms, 1e3 * waited)
-    state = self._land(state, packed)
+    state = self._land(runtime, state, packed)
     runtime.pending = runtime.worker().submit(self._gather, runtime, rows, device)
     return state
 
   @staticmethod
-  def _step_rows(state: FreeKVState) -> tuple:
-    """What a step hands to the host, as NumPy arrays (the copies start together)."""
-    return jax.device_get((state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch,
-                           state.step_slots, state.step_counters))
+  def _step_arrays(state: FreeKVState) -> tuple:
+    """What a step hands to the host (device arrays; `jax.device_get` starts their copies together)."""
+    return (state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch, state.step_slots,
+            state.step_counters)
 
   def _gather(self, runtime: freekv_host.FreeKVRuntime, rows: tuple, device):
     """Host side of an exchange: gathers the pages the plan lacks, starts their copy to
@@ -617,7 +620,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.stats.slowest_exchange_ms = max(runtime.stats.slowest_exchange_ms, 1e3 * seconds)
     return packed
 
-  def _land(self, state: FreeKVState, packed) -> FreeKVState:
+  def _land(self, runtime: freekv_host.FreeKVRuntime, state: FreeKVState, packed) -> FreeKVState:
     """Scatters a packed update into the pool in place (timed into the runtime's land_seconds)."""
     t0 = time.perf_counter()
     pool_k, pool_v, pool_ids = row_update.scatter_rows(state.pool_k, state.pool_v, state.pool_ids, packed,
@@ -625,7 +628,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     # The step_* rows need no reset: every sparse layer rewrites its own at the next step, and
     # a repeated exchange is harmless (stored tokens are skipped, a page is rewritten as is).
     pool_slots, pool_counts = page_selection.occupied_slots(pool_ids)
-    self.runtime(state).stats.land_seconds += time.perf_counter() - t0
+    runtime.stats.land_seconds += time.perf_counter() - t0
     return state.replace(pool_k=pool_k, pool_v=pool_v, pool_ids=pool_ids, pool_slots=pool_slots,
                          pool_counts=pool_counts)
 

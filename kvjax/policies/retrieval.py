@@ -453,13 +453,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return self._first_rows(cfg, state)
 
   def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
-    self.check(state)
     if self.bridge != "per_step" or self.lag == 0:  # lag 0: the exchange ran between the passes (repeat_step)
+      self.check(state)
       return state
-    runtime = self.runtime(state)
-    step = self._read_step(state)
+    runtime, step = self._read_step(state)
     if self.lag == 1:
-      return self._prefetch(cfg, state, step)
+      return self._prefetch(cfg, runtime, state, step)
     # Lag 2: this step's queries select the rows of the step after next, on the prefetch thread
     # while the device computes the next step, which uses the rows selected one step earlier.
     # None pending = the first step after prefill (or a load): its rows were selected by the
@@ -467,16 +466,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     update = runtime.take_prefetched()
     if update is None:
       runtime.repeat_selection()
-    runtime.start_prefetch(self._update_to_device(state), self._sparse_layers(cfg), *step)
-    return state if update is None else self._land(state, update)
+    runtime.start_prefetch(self._update_to_device(runtime, state), self._sparse_layers(cfg), *step)
+    return state if update is None else self._land(runtime, state, update)
 
   def _read_step(self, state: RetrievalState):
-    """The step's queries and evicted tokens (k, v, q, positions) as host arrays (timed into rows_seconds)."""
+    """(the runtime, checked for errors; the step's queries and evicted tokens (k, v, q,
+    positions) as host arrays), all read in one transfer (timed into rows_seconds): each
+    separate read of a device value waits for its own copy, on the main thread between steps."""
     t0 = time.perf_counter()
-    step = _host_arrays((state.step_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
-                         state.step_evicted_pos))
-    self.runtime(state).stats.rows_seconds += time.perf_counter() - t0
-    return step
+    runtime_id, status, *step = jax.device_get((state.runtime_id, state.status, state.step_q, state.step_evicted_k,
+                                                state.step_evicted_v, state.step_evicted_q, state.step_evicted_pos))
+    runtime = self.checked_runtime(runtime_id, status)
+    step = _host_arrays(step)
+    runtime.stats.rows_seconds += time.perf_counter() - t0
+    return runtime, step
 
   @property
   def repeats_steps(self) -> bool:
@@ -486,36 +489,35 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     """Lag 0: the exchange of lag 1 with the first pass's queries and evicted tokens, its rows
     landed in the state the step started from (a token the second pass evicts again is stored
     once); None when no row changed, so the first pass stands."""
-    self.check(after)
-    runtime = self.runtime(after)
-    update = runtime.prefetch_step(self._sparse_layers(cfg), *self._read_step(after))
+    runtime, step = self._read_step(after)
+    update = runtime.prefetch_step(self._sparse_layers(cfg), *step)
     if update.count == 0:
       return None
     runtime.stats.repeated_steps += 1
-    return self._land(before, self._update_to_device(before)(update))
+    return self._land(runtime, before, self._update_to_device(runtime, before)(update))
 
   def _sparse_layers(self, cfg) -> list[int]:
     dense = set(self.dense_layer_ids(cfg))
     return [l for l in range(cfg.num_layers) if l not in dense]
 
-  def _update_to_device(self, state: RetrievalState) -> row_update.TransferTimer:
+  def _update_to_device(self, runtime, state: RetrievalState) -> row_update.TransferTimer:
     """A RowUpdate (numpy) -> its packed bytes on the state's device, copy complete on return
     (the host buffer is rewritten by the next prefetch)."""
     device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
-    return row_update.TransferTimer(self.runtime(state).stats, device, self.transfer)
+    return row_update.TransferTimer(runtime.stats, device, self.transfer)
 
-  def _prefetch(self, cfg, state: RetrievalState, step) -> RetrievalState:
+  def _prefetch(self, cfg, runtime, state: RetrievalState, step) -> RetrievalState:
     """Runs the host's per-step work now (kvjax.prefetch_runtime) and lands the resulting row
     update. step: host arrays (queries, evicted k, v, q, positions) of the step that just ended."""
-    update = self.runtime(state).prefetch_step(self._sparse_layers(cfg), *step)
-    return self._land(state, self._update_to_device(state)(update))
+    update = runtime.prefetch_step(self._sparse_layers(cfg), *step)
+    return self._land(runtime, state, self._update_to_device(runtime, state)(update))
 
-  def _land(self, state: RetrievalState, packed) -> RetrievalState:
+  def _land(self, runtime, state: RetrievalState, packed) -> RetrievalState:
     """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the state's
     row buffers in place (timed into the runtime's land_seconds)."""
     t0 = time.perf_counter()
     buf_k, buf_v, buf_ids = row_update.scatter_rows(state.buf_k, state.buf_v, state.buf_ids, packed, codec="none")
-    self.runtime(state).stats.land_seconds += time.perf_counter() - t0
+    runtime.stats.land_seconds += time.perf_counter() - t0
     return state.replace(buf_k=buf_k, buf_v=buf_v, buf_ids=buf_ids)
 
   @staticmethod
@@ -740,8 +742,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     last_q = self._last_prompt_queries(cfg, state)  # [L, B, Hq, D]
     self._pin(cfg, state)
     none = jnp.full((cfg.num_layers, len(state.prompt_lengths)), -1, jnp.int32)
-    state = self._prefetch(cfg, state, _host_arrays((last_q, state.step_evicted_k, state.step_evicted_v,
-                                                     state.step_evicted_q, none)))
+    step = _host_arrays(jax.device_get((last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
+                                        none)))
+    state = self._prefetch(cfg, self.runtime(state), state, step)
     return self._warm_scatter(state)
 
 
@@ -783,8 +786,9 @@ def prompt_window(
 
 
 def _host_arrays(step):
-  """(queries, evicted k, v, q, positions) of a step as host arrays for kvjax.prefetch_runtime."""
-  queries, evicted_k, evicted_v, evicted_q, evicted_pos = jax.device_get(step)  # copies start together
+  """(queries, evicted k, v, q, positions) of a step, read from the device, as the host arrays
+  kvjax.prefetch_runtime takes."""
+  queries, evicted_k, evicted_v, evicted_q, evicted_pos = step
   return (np.asarray(queries, np.float32), np.asarray(evicted_k), np.asarray(evicted_v),
           np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
 
