@@ -10,6 +10,7 @@ Public API:
   KVStore                                     per (seq, layer) head-major K/V store
   assign_slots(held, wanted)                  slot writes that keep held ids in place
   count_common(a, b)                          per row, ids of a found in b
+  select_slots(held, layers, found, ...)      assign_slots of rows composed from search results
   key_neighbours(keys, count)                 each key's nearest keys (roar's connect candidates)
   HostContext                                 store + per-(seq, layer, head) indexes:
                                               build_layer, reserve, insert / insert_many, attend,
@@ -23,6 +24,7 @@ from host_index._index import build_index
 from host_index._persist import CorruptFileError
 from host_index._slots import assign_slots
 from host_index._slots import count_common
+from host_index._slots import select_slots
 from host_index._store import KVStore
 from host_index._store import StoreFullError
 from host_index.neighbours import key_neighbours
@@ -38,4 +40,5 @@ __all__ = [
     "build_index",
     "count_common",
     "key_neighbours",
+    "select_slots",
 ]

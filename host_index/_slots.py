@@ -1,8 +1,11 @@
 """Row-wise id bookkeeping for row buffers mirrored elsewhere (e.g. a device buffer of retrieved
 rows): which slots to rewrite so each row holds a new set of ids, keeping the ids it already
-holds; and how many ids two selections share per row (hit rates)."""
+holds (given those ids, or composed from search results and spans); and how many ids two
+selections share per row (hit rates)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,3 +73,107 @@ def count_common(a, b, *, threads: int | None = None) -> np.ndarray:
     nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
     _core.count_common(x, x.shape[1], y, y.shape[1], x.shape[0], counts, nthreads)
     return counts
+
+
+class Selection(NamedTuple):
+    """What `select_slots` did: the slot writes (dest, ids, rows [n] int64 each), the rows'
+    found and tail ids (retrieved [T, B, H, k + tail] int64) and the scoring (hits, total)."""
+
+    dest: np.ndarray  # flat slot indices into held, increasing when layers increase
+    ids: np.ndarray  # the id each such slot now holds, -1 = emptied
+    rows: np.ndarray  # the row (t * B + b) * H + h each write belongs to
+    retrieved: np.ndarray  # each row's found then tail ids, -1 padded
+    hits: int  # valid `used` ids of the scored rows among their found ids
+    total: int  # valid `used` ids of the scored rows
+
+
+def select_slots(held, layers, found, seen, stored, *, tail: int, age=None, sources: int = 0,
+                 successors: int = 0, pins=None, span: int = 1, used=None, score=None,
+                 threads: int | None = None) -> Selection:
+    """Composes each row's wanted ids and rewrites `held` in place so that its rows hold them,
+    as `assign_slots` would for those wanted rows; optionally scores an earlier selection
+    against the found ids. One threaded C call, GIL released, that builds no [rows, slots]
+    array and checks every id before it writes anything.
+
+    Row (t, b, h) wants, in this order, with n = stored[t, b] (ids at or past n are dropped):
+    found[t, b, h] (its search result); the tail, seen[t, b, h] + i for i < tail; the
+    successors, found[t, b, h, j] + age[t, b, h] + c for j < sources and c = 1..successors,
+    of the found ids that exist; the spans pins[t, b, h, j] + c for c < span of the pins that
+    exist. Rows of held in layers not listed are not touched.
+
+    Args:
+        held: [L, B, H, S] int64, C-contiguous and writable: each slot's store id, -1 = empty;
+            rewritten in place. S >= k + tail + sources * successors + p * span.
+        layers: [T] distinct ints in [0, L): the layers composed.
+        found: [T, B, H, k] int store ids, -1 = none, each below its store's length.
+        seen: [T, B, H] int >= 0: the first id of each row's tail.
+        stored: [T, B] int >= 0: each (layer, seq) store's length.
+        tail: ids per row from `seen` on.
+        age: [T, B, H] int >= 0, how far each row's successors move on; needed with successors.
+        sources: found ids per row (the first ones) that get successors, <= k.
+        successors: ids after each source.
+        pins: [T, B, H, p] int span starts, -1 = none (default: none).
+        span: ids per pin, >= 1.
+        used: [T, B, H, m] int ids of an earlier selection, -1 = none; with `score`.
+        score: [T, B, H] bool, the rows whose `used` ids are scored against their found ids.
+        threads: OpenMP threads (default: all; fewer for small inputs).
+
+    Returns:
+        A `Selection`.
+
+    Raises:
+        TypeError: held not an int64 ndarray, or non-integer arrays or options.
+        ValueError: shapes that disagree, held not C-contiguous and writable, layers repeated
+            or out of range, ids out of range (held, pins or used ids below -1, found ids
+            outside [-1, stored), negative seen, stored or age).
+    """
+    h = _held(held)
+    L, B, H, S = h.shape
+    lay = _dtypes.as_ids(layers, "layers", ndim=1)
+    T = lay.size
+    if np.unique(lay).size != T or (T and (lay.min() < 0 or lay.max() >= L)):
+        raise ValueError(f"layers {lay.tolist()} must be distinct and lie in [0, {L})")
+    if (used is None) != (score is None):
+        raise ValueError("used and score go together")
+    named = {"found": found, "seen": seen, "stored": stored, "age": age, "pins": pins, "used": used}
+    ranks = {"found": 4, "seen": 3, "stored": 2, "age": 3, "pins": 4, "used": 4}
+    arrays = {name: _dtypes.as_ids(a, name, ndim=ranks[name]) for name, a in named.items() if a is not None}
+    if score is not None:
+        arrays["score"] = np.ascontiguousarray(score)
+        if arrays["score"].dtype != np.bool_:
+            raise TypeError(f"score: dtype {arrays['score'].dtype} is not bool")
+    for name, a in arrays.items():  # leading axes [T, B, H] ([T, B] for stored)
+        if a.shape[:3] != (T, B, H)[:a.ndim]:
+            raise ValueError(f"{name} {a.shape} must start with {[T, B, H][:a.ndim]} (held {h.shape}, "
+                             f"{T} layers)")
+    k = arrays["found"].shape[3]
+    p = arrays["pins"].shape[3] if pins is not None else 0
+    m = arrays["used"].shape[3] if used is not None else 0
+    tail, sources, successors = (_dtypes.positive_int(v, n, allow_zero=True) for v, n in
+                                 ((tail, "tail"), (sources, "sources"), (successors, "successors")))
+    span = _dtypes.positive_int(span, "span")
+    if sources > k:
+        raise ValueError(f"sources={sources} must be <= k={k}")
+    if successors and age is None:
+        raise ValueError("age is needed with successors")
+    if k + tail + sources * successors + p * span > S:
+        raise ValueError(f"held's {S} slots cannot hold k + tail + sources * successors + pins * span = "
+                         f"{k + tail + sources * successors + p * span} ids")
+    retrieved = np.empty((T, B, H, k + tail), np.int64)
+    dest, ids, rows = (np.empty(T * B * H * S, np.int64) for _ in range(3))
+    nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+    n, hits, total = _core.select_slots(
+        h, L * B * H, S, lay, T, B, H, arrays["stored"], arrays["found"], k, arrays["seen"], tail,
+        arrays.get("age"), sources, successors, arrays.get("pins"), p, span, arrays.get("score"),
+        arrays.get("used"), m, retrieved, dest, ids, rows, nthreads)
+    return Selection(dest[:n], ids[:n], rows[:n], retrieved, hits, total)
+
+
+def _held(held) -> np.ndarray:
+    """held as given (it is rewritten in place): a writable C-contiguous [L, B, H, S] int64 array."""
+    if not isinstance(held, np.ndarray) or held.dtype != np.int64:
+        raise TypeError(f"held must be an int64 ndarray, got {type(held).__name__} "
+                        f"{getattr(held, 'dtype', '')}")
+    if held.ndim != 4 or not held.flags.c_contiguous or not held.flags.writeable:
+        raise ValueError(f"held {held.shape} must be a writable C-contiguous [L, B, H, S] array")
+    return held

@@ -49,7 +49,7 @@ import numpy as np
 
 import host_index
 from kvjax.host_runtime import (HostRuntime, available_cores, background_worker, default_reserved_cores,
-                                exchange_nice, group_mean_cosine, reuse_hits, warn_failed, worker_cores)
+                                exchange_nice, group_mean_cosine, warn_failed, worker_cores)
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -85,7 +85,8 @@ def successor_ids(found, stored, count: int, age=None):
   position they need at step t is up to `lag` past the one the older query found, and `age`
   further when a speculative head reuses a search made `age` exchanges ago. Measured on
   SmolLM2 niah_single_2 at 4K: lag 2 without them found 0.36 of the needles against full's
-  0.98, with exact (flat) search too (experiments/results/ruler_smollm2_4k_niah2_step_*)."""
+  0.98, with exact (flat) search too (experiments/results/ruler_smollm2_4k_niah2_step_*).
+  The exchange composes them in C (host_index.select_slots); this is their NumPy statement."""
   start = found if age is None else found + age[..., None]
   ids = start[..., None] + np.arange(1, count + 1)
   ok = (found[..., None] >= 0) & (ids < stored[:, :, None, None, None])
@@ -95,7 +96,8 @@ def successor_ids(found, stored, count: int, age=None):
 def span_ids(starts, stored, span: int):
   """Each start id and the `span - 1` store ids after it (-1 where no start or past the store).
 
-  starts [T, B, Hq, p], stored [T, B] -> [T, B, Hq, p * span]."""
+  starts [T, B, Hq, p], stored [T, B] -> [T, B, Hq, p * span]. The exchange composes them in C
+  (host_index.select_slots); this is their NumPy statement."""
   ids = starts[..., None] + np.arange(span)
   ok = (starts[..., None] >= 0) & (ids < stored[:, :, None, None, None])
   return np.where(ok, ids, -1).reshape(*starts.shape[:-1], starts.shape[-1] * span)
@@ -179,10 +181,11 @@ class PrefetchRuntime(HostRuntime):
     self._prefetcher = background_worker("kvjax-prefetch", exchange_nice(cores, self.background_nice), cores)
     self._next = None  # lag 2: the future of the next step's rows
     # [L, B, Hq, slots] int64: the store id in each device buffer slot (-1 = empty), as the
-    # updates returned so far leave it; None until the first step (or set from a loaded state).
+    # updates returned so far leave it (each exchange rewrites it in place); None until the first
+    # step (or set from a loaded state).
     self.slot_ids = None
-    # Per layer, the ids [B, Hq, slots] of the steps selected for but not scored yet, oldest
-    # first: the head is what the step that just ended used.
+    # Per layer, the top-k and tail ids [B, Hq, topk + tail_slots] of the steps selected for but
+    # not scored yet, oldest first: the head is what the step that just ended used.
     self._selections: dict[int, collections.deque] = collections.defaultdict(collections.deque)
     # Per (layer, seq, query head): the query of its latest search [L, B, Hq, D], that search's
     # ids [L, B, Hq, k], the tokens indexed when it ran [L, B, Hq] (it saw ids below that) and
@@ -325,40 +328,12 @@ class PrefetchRuntime(HostRuntime):
     self._searched_at[rows] = np.where(searched, self._exchanges, self._searched_at[rows])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
-    # The indexes are not read again until the next exchange (which waits for this job first): the
-    # indexing may run beside the gather and the copy to the device, which read only the store.
-    if not self.index_after_gather:
-      self._submit_background(-1, None)
     if self.slot_ids is None:
       self.slot_ids = np.full((L, B, Hq, self.slots), -1, np.int64)
-    # The selections, in no slot order (each head's latest top-k, every stored token that search
-    # could not return, then the successors of its best ids: searches return ids best first);
-    # dense layers' slots stay empty. A successor may repeat an id: assign_slots gives a
-    # repeated id one slot.
-    wanted = self.slot_ids.copy()
-    retrieved_end = self.topk + self.tail_slots
-    successors_end = retrieved_end + self.successor_sources * self.successors
-    wanted[rows, :, :, :self.topk] = found
-    wanted[rows, :, :, self.topk:retrieved_end] = self._tail_ids(self._seen[rows], stored)
-    if self.successors:
-      age = self._exchanges - self._searched_at[rows]  # 0 for the heads that searched now
-      sources = found[..., :self.successor_sources]
-      wanted[rows, :, :, retrieved_end:successors_end] = successor_ids(sources, stored, self.successors, age)
-    if self.pinned:
-      wanted[rows, :, :, successors_end:] = (-1 if self.pinned_ids is None else
-                                             span_ids(self.pinned_ids[rows], stored, self.pinned_span))
     self.stats.unindexed_attended += int((stored - indexed).sum())
-    scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
-    if scored:  # what the step that just ended used, against that step's own query's result
-      used = np.stack([self._selections[layers[t]].popleft() for t in scored])
-      fresh = searched[scored]  # a head that reused its search has no fresh result to score against
-      # scored: what the searches selected (distinct ids; successors are an addition, not a result)
-      hits, total = reuse_hits(used[fresh][:, :retrieved_end], found[scored][fresh])
-      self.stats.reused_hits += hits
-      self.stats.reused_total += total
-    for layer in layers:
-      self._selections[layer].append(wanted[layer])
-    update = self._gather_update(wanted)  # advances slot_ids
+    # The indexes are not read again until the next exchange (which waits for this job first): the
+    # indexing may run beside the gather and the copy to the device, which read only the store.
+    update = self._select(layers, rows, found, searched, stored, queue_indexing=not self.index_after_gather)
     if self.index_after_gather:
       self._submit_background(-1, None)
     self.stats.gather_seconds += time.perf_counter() - t3
@@ -380,20 +355,85 @@ class PrefetchRuntime(HostRuntime):
     for b, layer in zip(seqs[starts == stored], pair_layers[starts == stored]):
       self._unindexed_queries.setdefault((int(b), int(layer)), []).append(evicted_q[layer, b])
 
-  def _gather_update(self, wanted) -> RowUpdate:
-    """The RowUpdate from `slot_ids` to `wanted` [L, B, Hq, slots] (slot_ids advanced to it):
-    entering rows gathered from every (layer, seq) store in one threaded C call."""
-    L, B, Hq, S = wanted.shape
-    dest, ids = host_index.assign_slots(self.slot_ids.reshape(-1, S), wanted.reshape(-1, S),
-                                        threads=self.gather_threads)
-    self.slot_ids = self.slot_ids.copy()  # earlier selections (kept for hit rates) stay as they were
-    self.slot_ids.reshape(-1)[dest] = ids
+  def _select(
+      self,
+      layers,
+      rows,  # layer_rows(layers)
+      found,  # [T, B, Hq, k] int64: each head's latest search result, best first
+      searched,  # [T, B, Hq] bool: the heads whose search ran in this exchange
+      stored,  # [T, B] int: store lengths
+      *,
+      queue_indexing: bool,
+  ) -> RowUpdate:
+    """Each head's selection (its latest top-k, every stored token that search could not return,
+    the successors of its best ids, its pinned spans; dense layers' slots stay empty) given slots
+    against `slot_ids` (rewritten in place; a repeated id takes one slot) -> the RowUpdate of the
+    entering rows. Also scores the selection the step that just ended used (`HostStats.hit_rate`)
+    and, with `queue_indexing`, queues the background indexing.
+
+    Why one C call (host_index.select_slots) composes, scores and assigns: built in NumPy, the
+    selections were [L, B, Hq, slots] temporaries and a dozen whole-array operations holding the
+    GIL, which the thread launching the device's next step waits for (2.3 ms a step in long waits
+    at SmolLM2 shapes on the H200 host: experiments/results/bench_prefetch_smollm2shapes_32k_pinned16.md).
+    Why the indexing is queued just before that call: the call releases the GIL while the job runs
+    its Python part. Queued before the inputs were ready, the job took the GIL at their first NumPy
+    call that released it, and the selection waited for it (0.5 ms a step on a 2-core box)."""
+    seen = self._seen[rows]  # [T, B, Hq]
+    if (stored[..., None] - seen > self.tail_slots).any():  # _index_overflow and _heads_to_search prevent it
+      raise RuntimeError("retrieval per_step: more stored tokens than tail slots escaped the searches")
+    self.slot_ids = np.require(self.slot_ids, np.int64, "CW")  # rewritten in place (a copy only if set read-only)
+    used, score = self._scored(layers, searched)
+    age = self._exchanges - self._searched_at[rows] if self.successors else None  # 0: searched now
+    pins = None if self.pinned_ids is None else self.pinned_ids[rows]
+    if queue_indexing:
+      self._submit_background(-1, None)
+    selection = host_index.select_slots(
+        self.slot_ids, layers, found, seen, stored, tail=self.tail_slots, age=age, sources=self.successor_sources,
+        successors=self.successors, pins=pins, span=self.pinned_span, used=used, score=score,
+        threads=self.gather_threads)
+    self.stats.reused_hits += selection.hits
+    self.stats.reused_total += selection.total
+    for t, layer in enumerate(layers):
+      self._selections[layer].append(selection.retrieved[t])
+    dest, ids, src = selection.dest, selection.ids, selection.rows
+    if np.any(np.diff(layers) < 0):  # the writes in slot order, as the scatter expects
+      order = np.argsort(dest)
+      dest, ids, src = dest[order], ids[order], src[order]
+    return self._gather_update(layers, dest, ids, src)
+
+  def _scored(self, layers, searched):  # searched [T, B, Hq] bool
+    """What the step that just ended used, to score against this step's search: its top-k and
+    tail ids [T, B, Hq, k + tail] (distinct; successors and pins are additions, not results) and
+    the heads scored [T, B, Hq] (those that searched now: a head that reused its search has no
+    fresh result); (None, None) when no layer has a selection queued."""
+    scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
+    if not scored:
+      return None, None
+    used = np.stack([self._selections[layers[t]].popleft() for t in scored])
+    if len(scored) == len(layers):
+      return used, searched
+    full = np.full((len(layers),) + used.shape[1:], -1, np.int64)
+    full[scored] = used
+    score = np.zeros_like(searched)
+    score[scored] = searched[scored]
+    return full, score
+
+  def _gather_update(
+      self,
+      layers,
+      dest,  # [n] int64: flat slot indices into slot_ids, increasing
+      ids,  # [n] int64: the id each takes (-1 = emptied)
+      src,  # [n] int64: each write's (layer, seq, query head) row (t * B + b) * Hq + h of layers
+  ) -> RowUpdate:
+    """The RowUpdate of the slot writes: entering rows gathered from every (layer, seq) store in
+    one threaded C call."""
+    L, B, Hq, S = self.slot_ids.shape
     store = self.context.store
     dtype, D = store.storage_dtype, self.context.head_dim
     update = new_update(self.buffers, dest.size, L * B * Hq * S, D, dtype)
-    stores, store_of, heads = slot_stores(dest, B, Hq, S, self.context.group)
-    store.gather_rows_many(stores, store_of, heads, ids, out_k=update.k[:dest.size], out_v=update.v[:dest.size],
-                           threads=self.gather_threads)  # id -1: a zero row
+    stores = [(b, layer) for layer in layers for b in range(B)]  # store t * B + b
+    store.gather_rows_many(stores, src // Hq, src % Hq // self.context.group, ids, out_k=update.k[:dest.size],
+                           out_v=update.v[:dest.size], threads=self.gather_threads)  # id -1: a zero row
     update.dest[:dest.size] = dest
     update.ids[:dest.size] = ids
     update.pad(L * B * Hq * S)
@@ -429,14 +469,6 @@ class PrefetchRuntime(HostRuntime):
     self.stats.speculated_groups += int((~redo).sum())
     return np.repeat(redo, G, axis=-1)
 
-  def _tail_ids(self, seen, stored):  # seen [T, B, Hq], stored [T, B] -> [T, B, Hq, tail_slots]
-    """Store ids (-1 padded) each head's latest search could not return: those from `seen` (what
-    was indexed when it ran) to the end of the store."""
-    ids = seen[..., None] + np.arange(self.tail_slots)
-    if (stored[..., None] - seen > self.tail_slots).any():  # _index_overflow and _heads_to_search prevent it
-      raise RuntimeError("retrieval per_step: more stored tokens than tail slots escaped the searches")
-    return np.where(ids < stored[..., None, None], ids, -1)
-
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not
     fit the tail slots (normally never: one token per step is indexed in the background).
@@ -454,6 +486,11 @@ class PrefetchRuntime(HostRuntime):
   def _submit_background(self, layer: int, search_queries) -> None:
     """Queues the indexing of every layer's stored tokens as one job (key -1)."""
     pairs = sorted(self._unindexed_queries)
-    to_index = [(pair, np.stack(self._unindexed_queries.pop(pair), axis=1)) for pair in pairs]  # [Hq, n, D]
+    queries = [self._unindexed_queries.pop(pair) for pair in pairs]  # each a list of [Hq, D]
+    if queries and all(len(q) == 1 for q in queries):  # a token per pair (each step): one copy, not one a pair
+      block = np.stack([q[0] for q in queries])  # [P, Hq, D]
+      to_index = [(pair, block[i][:, None]) for i, pair in enumerate(pairs)]  # [Hq, 1, D] views
+    else:
+      to_index = [(pair, np.stack(q, axis=1)) for pair, q in zip(pairs, queries)]  # [Hq, n, D]
     if to_index:
       self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, None)

@@ -683,3 +683,103 @@ def test_compiled_step_writes_the_rings_in_place_and_keeps_layers_small(lag):
   per_layer = ops_per_layer(lambda layers: _compiled_step(tiny_model("llama", num_layers=layers), options,
                                                           prompt_len=80, policy="retrieval")[0])
   assert 0 < per_layer <= LAYER_OPS, per_layer
+
+
+class _NumpySelection(PrefetchRuntime):
+  """The exchange's selection as NumPy built it before host_index.select_slots: [L, B, Hq, slots]
+  temporaries, assign_slots, the gather by slot_stores (the reference the C composition must
+  match update for update)."""
+
+  def _select(self, layers, rows, found, searched, stored, *, queue_indexing):
+    if queue_indexing:
+      self._submit_background(-1, None)
+    wanted = self.slot_ids.copy()
+    retrieved_end = self.topk + self.tail_slots
+    successors_end = retrieved_end + self.successor_sources * self.successors
+    wanted[rows, :, :, :self.topk] = found
+    tail = self._seen[rows][..., None] + np.arange(self.tail_slots)
+    wanted[rows, :, :, self.topk:retrieved_end] = np.where(tail < stored[..., None, None], tail, -1)
+    if self.successors:
+      age = self._exchanges - self._searched_at[rows]
+      wanted[rows, :, :, retrieved_end:successors_end] = successor_ids(found[..., :self.successor_sources], stored,
+                                                                       self.successors, age)
+    if self.pinned:
+      wanted[rows, :, :, successors_end:] = (-1 if self.pinned_ids is None else
+                                             span_ids(self.pinned_ids[rows], stored, self.pinned_span))
+    scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
+    if scored:
+      used = np.stack([self._selections[layers[t]].popleft() for t in scored])
+      fresh = searched[scored]
+      hits, total = host_runtime.reuse_hits(used[fresh][:, :retrieved_end], found[scored][fresh])
+      self.stats.reused_hits += hits
+      self.stats.reused_total += total
+    for layer in layers:
+      self._selections[layer].append(wanted[layer])
+    L, B, Hq, S = wanted.shape
+    dest, ids = host_index.assign_slots(self.slot_ids.reshape(-1, S), wanted.reshape(-1, S))
+    self.slot_ids = self.slot_ids.copy()
+    self.slot_ids.reshape(-1)[dest] = ids
+    store = self.context.store
+    update = row_update.new_update(self.buffers, dest.size, L * B * Hq * S, self.context.head_dim, store.storage_dtype)
+    stores, store_of, heads = prefetch_runtime.slot_stores(dest, B, Hq, S, self.context.group)
+    store.gather_rows_many(stores, store_of, heads, ids, out_k=update.k[:dest.size], out_v=update.v[:dest.size])
+    update.dest[:dest.size] = dest
+    update.ids[:dest.size] = ids
+    update.pad(L * B * Hq * S)
+    self.stats.shipped_rows += dest.size
+    return update
+
+
+@pytest.mark.parametrize("layers, options", [
+    ([0, 2, 3], dict(speculative=True, tau=0.9, successors=2, successor_sources=3, pinned=2, pinned_span=3)),
+    ([1, 2], dict(successors=3, successor_sources=5, pinned=3, pinned_span=4, index_after_gather=True)),
+    ([0, 1, 2, 3], dict(speculative=True, tau=0.5)),
+])
+def test_select_slots_updates_equal_the_numpy_composition(layers, options):
+  """Step after step (speculative reuse, successors moved on by their age, pins, stores growing
+  into the tail, a sequence with fewer keys than topk so -1 ids, successors and spans repeating
+  found ids, dense layers, a repeated selection as lag 2 makes one), the runtime's updates,
+  slot ids and hit counts equal those of the NumPy composition it replaced."""
+  rng = np.random.default_rng(len(layers))
+  L, B, Hkv, D, sinks, topk = 4, 2, 2, 8, 2, 5
+  Hq = 2 * Hkv
+  lengths = (30, 4)  # sequence 1 holds fewer keys than topk: its searches return -1 ids
+  keys = [rng.standard_normal((L, Hkv, n, D), dtype=np.float32) for n in lengths]
+  runtimes = []
+  for cls in (PrefetchRuntime, _NumpySelection):
+    context = host_index.HostContext(B, L, Hq, Hkv, D, dtype="float32", kind="flat")
+    for layer in range(L):
+      for b in range(B):
+        context.append(b, layer, 0, keys[b][layer], 2 * keys[b][layer])
+      context.build_layer(layer)
+    runtimes.append(cls(context, tail_slots=4, sinks=sinks, window=8, topk=topk, ef=None, scale=D**-0.5,
+                        background_threads=1, **options))
+  question = rng.standard_normal((L, B, Hq, 1, D), dtype=np.float32)
+  queries = rng.standard_normal((L, B, Hq, D), dtype=np.float32)
+  try:
+    for runtime in runtimes:
+      runtime.pin(layers, question)
+    for step in range(8):
+      queries = queries + 0.3 * rng.standard_normal(queries.shape, dtype=np.float32)
+      evicted_k = rng.standard_normal((L, B, Hkv, D), dtype=np.float32)
+      evicted_q = rng.standard_normal((L, B, Hq, D), dtype=np.float32)
+      stored = runtimes[0].context.store.lengths().T  # [L, B]
+      evicted_pos = np.where(rng.random((L, B)) < 0.7, sinks + stored, -1)  # not every layer evicts every step
+      updates = [runtime.prefetch_step(layers, queries, evicted_k, 3 * evicted_k, evicted_q, evicted_pos)
+                 for runtime in runtimes]
+      new, old = updates
+      assert new.count == old.count and new.count > 0
+      for part in ("dest", "ids", "k", "v"):
+        np.testing.assert_array_equal(getattr(new, part)[:new.count], getattr(old, part)[:old.count])
+      np.testing.assert_array_equal(runtimes[0].slot_ids, runtimes[1].slot_ids)
+      if step == 0:
+        for runtime in runtimes:
+          runtime.repeat_selection()
+    stats = [runtime.stats for runtime in runtimes]
+    for name in ("reused_hits", "reused_total", "shipped_rows", "speculated_groups", "unindexed_attended"):
+      assert getattr(stats[0], name) == getattr(stats[1], name), name
+    assert stats[0].reused_total > 0
+    assert not options.get("speculative") or stats[0].speculated_groups > 0
+  finally:
+    for runtime in runtimes:
+      runtime.close()

@@ -13,6 +13,7 @@
 #include "hi_attend.h"
 #include "hi_index.h"
 #include "hi_kernels.h"
+#include "hi_slots.h"
 
 #define RAW16_REFUSED \
   "dtype raw16 holds opaque 16-bit words: no search, attention or conversion reads it"
@@ -975,6 +976,82 @@ static PyObject *py_count_common(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* select_slots(held, held_rows, S, layers, T, B, H, stored, found, k, seen, tail, age|None,
+ *              sources, successors, pins|None, pinned, span, score|None, used|None, n_used,
+ *              retrieved|None, dest, ids, src, threads) -> (count, hits, total): the
+ * hi_selection_t fields; held is rewritten in place. */
+static PyObject *py_select_slots(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ho, *lo, *so, *fo, *eo, *ao, *po, *sco, *uo, *ro, *dso, *io, *sro;
+  Py_ssize_t held_rows, S, T, B, H, k, tail, sources, successors, pinned, span, n_used;
+  int threads;
+  if (!PyArg_ParseTuple(args, "OnnOnnnOOnOnOnnOnnOOnOOOOi", &ho, &held_rows, &S, &lo, &T, &B, &H,
+                        &so, &fo, &k, &eo, &tail, &ao, &sources, &successors, &po, &pinned, &span,
+                        &sco, &uo, &n_used, &ro, &dso, &io, &sro, &threads))
+    return NULL;
+  if (held_rows < 0 || S < 0 || T < 0 || B < 0 || H < 0 || k < 0 || tail < 0 || sources < 0 ||
+      successors < 0 || pinned < 0 || span < 1 || n_used < 0 || (successors && ao == Py_None) ||
+      (pinned && po == Py_None) || ((sco == Py_None) != (uo == Py_None))) {
+    PyErr_SetString(PyExc_ValueError, "select_slots: bad sizes");
+    return NULL;
+  }
+  const Py_ssize_t R = mul3(T, B, H), rows_room = mul3(R, S, 8);
+  /* read-only first (layers, stored, found, seen, then age, pins, score, used as given), then
+   * held and the outputs */
+  PyObject *objs[13] = {lo, so, fo, eo};
+  Py_ssize_t need[13] = {mul2(T, 8), mul3(T, B, 8), mul3(R, k, 8), mul2(R, 8)};
+  int n = 4;
+  const int has_age = ao != Py_None, has_pins = po != Py_None, has_score = sco != Py_None;
+  const int has_ret = ro != Py_None;
+  if (has_age) objs[n] = ao, need[n++] = mul2(R, 8);
+  if (has_pins) objs[n] = po, need[n++] = mul3(R, pinned, 8);
+  if (has_score) {
+    objs[n] = sco, need[n++] = R;
+    objs[n] = uo, need[n++] = mul3(R, n_used, 8);
+  }
+  const int first_writable = n;
+  objs[n] = ho, need[n++] = mul3(held_rows, S, 8);
+  if (has_ret) objs[n] = ro, need[n++] = mul3(R, add2(k, tail), 8);
+  objs[n] = dso, need[n++] = rows_room;
+  objs[n] = io, need[n++] = rows_room;
+  objs[n] = sro, need[n++] = rows_room;
+  Py_buffer b[13];
+  const int nb = get_bufs(objs, need, n, first_writable, b, "select_slots");
+  int err = HI_OK;
+  hi_select_out_t out = {0};
+  if (nb == n) {
+    int at = 4;
+    hi_selection_t sel = {.T = T, .B = B, .H = H, .layers = b[0].buf, .stored = b[1].buf,
+                          .found = b[2].buf, .k = k, .seen = b[3].buf, .tail = tail,
+                          .sources = sources, .successors = successors, .pinned = pinned,
+                          .span = span, .n_used = n_used};
+    if (has_age) sel.age = b[at++].buf;
+    if (has_pins) sel.pins = b[at++].buf;
+    if (has_score) {
+      sel.score = b[at++].buf;
+      sel.used = b[at++].buf;
+    }
+    int64_t *held = b[at++].buf;
+    out.retrieved = has_ret ? b[at++].buf : NULL;
+    out.dest = b[at].buf;
+    out.ids = b[at + 1].buf;
+    out.src = b[at + 2].buf;
+    Py_BEGIN_ALLOW_THREADS err = hi_select_slots(held, held_rows, S, &sel, &out, threads);
+    Py_END_ALLOW_THREADS
+  }
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < n) return NULL;
+  if (err == HI_EINVAL) {
+    PyErr_SetString(PyExc_ValueError,
+                    "select_slots: ids out of range (held, pins or used ids below -1, found ids "
+                    "outside [-1, stored), negative seen, stored or age) or layers repeated or "
+                    "out of range");
+    return NULL;
+  }
+  if (raise_err(err) < 0) return NULL;
+  return Py_BuildValue("(LLL)", (long long)out.count, (long long)out.hits, (long long)out.total);
+}
+
 static PyObject *py_isa(PyObject *mod, PyObject *unused) {
   (void)mod;
   (void)unused;
@@ -992,6 +1069,7 @@ static PyMethodDef module_methods[] = {
     {"gather_pages_multi", py_gather_pages_multi, METH_VARARGS, "Copy K/V pages of several stores."},
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
+    {"select_slots", py_select_slots, METH_VARARGS, "Compose rows' wanted ids, assign them slots."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {
