@@ -162,11 +162,31 @@ def select_slots(held, layers, found, seen, stored, *, tail: int, age=None, sour
     retrieved = np.empty((T, B, H, k + tail), np.int64)
     dest, ids, rows = (np.empty(T * B * H * S, np.int64) for _ in range(3))
     nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-    n, hits, total = _core.select_slots(
-        h, L * B * H, S, lay, T, B, H, arrays["stored"], arrays["found"], k, arrays["seen"], tail,
-        arrays.get("age"), sources, successors, arrays.get("pins"), p, span, arrays.get("score"),
-        arrays.get("used"), m, retrieved, dest, ids, rows, nthreads)
+    try:
+        n, hits, total = _core.select_slots(
+            h, L * B * H, S, lay, T, B, H, arrays["stored"], arrays["found"], k, arrays["seen"], tail,
+            arrays.get("age"), sources, successors, arrays.get("pins"), p, span, arrays.get("score"),
+            arrays.get("used"), m, retrieved, dest, ids, rows, nthreads)
+    except ValueError as e:  # the C call checks values (no scans here on the hot path): name the bad one
+        raise ValueError(_first_out_of_range(h[lay], arrays) or str(e)) from None
     return Selection(dest[:n], ids[:n], rows[:n], retrieved, hits, total)
+
+
+def _first_out_of_range(held, arrays) -> str | None:
+    """The first value select_slots' C checks refuse, as a message naming its array, index and
+    value (None if none is found). held: the composed layers' rows [T, B, H, S]."""
+    stored = arrays["stored"]
+    limits = [("held", held, -1, None), ("stored", stored, 0, None),
+              ("found", arrays["found"], -1, stored[:, :, None, None]), ("seen", arrays["seen"], 0, None)]
+    limits += [(name, arrays[name], low, None) for name, low in (("age", 0), ("pins", -1), ("used", -1))
+               if name in arrays]
+    for name, a, low, high in limits:
+        bad = (a < low) if high is None else (a < low) | (a >= high)
+        if bad.any():
+            at = np.unravel_index(int(np.argmax(bad)), a.shape)
+            bound = f">= {low}" if high is None else f"in [{low}, stored = {np.broadcast_to(high, a.shape)[at]})"
+            return f"select_slots: ids out of range: {name}[{', '.join(map(str, at))}] = {a[at]} must be {bound}"
+    return None
 
 
 def _held(held) -> np.ndarray:

@@ -284,14 +284,15 @@ def _select_call(**change):
     (dict(tail=-1), ValueError, "tail=-1"),
     (dict(used=np.zeros((2, 1, 2, 3), np.int64)), ValueError, "used and score go together"),
     (dict(used=np.zeros((2, 1, 2, 3), np.int64), score=np.ones((2, 1, 2), np.int64)), TypeError, "score"),
-    (dict(found=np.full((2, 1, 2, 4), -2)), ValueError, "ids out of range"),
-    (dict(found=np.full((2, 1, 2, 4), 5)), ValueError, "ids out of range"),  # at the store's length
-    (dict(held=np.full((3, 1, 2, 12), -2)), ValueError, "ids out of range"),
-    (dict(pins=np.full((2, 1, 2, 1), -3)), ValueError, "ids out of range"),
-    (dict(seen=np.full((2, 1, 2), -1)), ValueError, "ids out of range"),
-    (dict(age=np.full((2, 1, 2), -1)), ValueError, "ids out of range"),
-    (dict(stored=np.full((2, 1), -1)), ValueError, "ids out of range"),
-    (dict(used=np.full((2, 1, 2, 3), -2), score=np.ones((2, 1, 2), bool)), ValueError, "ids out of range"),
+    (dict(found=np.full((2, 1, 2, 4), -2)), ValueError, r"ids out of range: found\[0, 0, 0, 0\] = -2"),
+    (dict(found=np.full((2, 1, 2, 4), 5)), ValueError, r"found\[0, 0, 0, 0\] = 5 must be in \[-1, stored = 5\)"),
+    (dict(held=np.full((3, 1, 2, 12), -2)), ValueError, r"ids out of range: held\[0, 0, 0, 0\] = -2"),
+    (dict(pins=np.full((2, 1, 2, 1), -3)), ValueError, r"ids out of range: pins\[0, 0, 0, 0\] = -3"),
+    (dict(seen=np.full((2, 1, 2), -1)), ValueError, r"ids out of range: seen\[0, 0, 0\] = -1 must be >= 0"),
+    (dict(age=np.full((2, 1, 2), -1)), ValueError, r"ids out of range: age\[0, 0, 0\] = -1"),
+    (dict(stored=np.full((2, 1), -1)), ValueError, r"ids out of range: stored\[0, 0\] = -1"),
+    (dict(used=np.full((2, 1, 2, 3), -2), score=np.ones((2, 1, 2), bool)), ValueError,
+     r"ids out of range: used\[0, 0, 0, 0\] = -2"),
 ])
 def test_select_slots_bad_input(change, error, message):
   with pytest.raises(error, match=message):
