@@ -500,19 +500,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     dense = set(self.dense_layer_ids(cfg))
     return [l for l in range(cfg.num_layers) if l not in dense]
 
-  def _update_to_device(self, runtime, state: RetrievalState) -> row_update.TransferTimer:
+  def _update_to_device(self, runtime: prefetch_runtime.PrefetchRuntime,
+                        state: RetrievalState) -> row_update.TransferTimer:
     """A RowUpdate (numpy) -> its packed bytes on the state's device, copy complete on return
     (the host buffer is rewritten by the next prefetch)."""
     device = next(iter(state.buf_k.devices()))  # explicit: lag 2 copies from another thread
     return row_update.TransferTimer(runtime.stats, device, self.transfer)
 
-  def _prefetch(self, cfg, runtime, state: RetrievalState, step) -> RetrievalState:
+  def _prefetch(self, cfg, runtime: prefetch_runtime.PrefetchRuntime, state: RetrievalState, step) -> RetrievalState:
     """Runs the host's per-step work now (kvjax.prefetch_runtime) and lands the resulting row
     update. step: host arrays (queries, evicted k, v, q, positions) of the step that just ended."""
     update = runtime.prefetch_step(self._sparse_layers(cfg), *step)
     return self._land(runtime, state, self._update_to_device(runtime, state)(update))
 
-  def _land(self, runtime, state: RetrievalState, packed) -> RetrievalState:
+  def _land(self, runtime: prefetch_runtime.PrefetchRuntime, state: RetrievalState, packed) -> RetrievalState:
     """Scatters a packed RowUpdate (kvjax.row_update), already on the device, into the state's
     row buffers in place (timed into the runtime's land_seconds)."""
     t0 = time.perf_counter()
