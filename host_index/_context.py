@@ -406,14 +406,14 @@ class HostContext:
                         for a, name in ((seqs, "seqs"), (layers, "layers")))
         if len(seqs) != len(layers) or len(set(zip(seqs, layers))) != len(seqs):
             raise ValueError(f"seqs {seqs} and layers {layers} must be equally many distinct pairs")
-        starts = []
         for s, l in zip(seqs, layers):
             self.store._check(s, l)
-            starts.append(self.indexed(s, l))
+        starts = [_covered(self._ix[s][l]) for s, l in zip(seqs, layers)]  # `indexed`, checked above
         q = None
         if queries is not None and self.kind == "roar":
             qshape = np.shape(queries)
-            pending = {self.store.length(s, l) - st for s, l, st in zip(seqs, layers, starts)}
+            lengths = self.store.lengths()
+            pending = {int(lengths[s, l]) - st for s, l, st in zip(seqs, layers, starts)}
             if (len(qshape) != 4 or qshape[:2] != (len(seqs), self.num_q_heads)
                     or qshape[3] != self.head_dim or pending != {qshape[2]}):
                 raise ValueError(f"queries {qshape} must be [{len(seqs)}, {self.num_q_heads}, n, "
@@ -440,24 +440,18 @@ class HostContext:
     def _extend(self, seqs, layers, starts, q, nthreads) -> None:
         """Indexes every stored token of the (seq, layer)s in one C call.
 
-        q: [T, Hidx, n, D] float32 (rows of tokens starts[i] ..., one per index head) or None.
+        The (seq, layer)s are checked by the callers (insert_many, index_stored). q: [T, Hidx, n, D]
+        float32 (rows of tokens starts[i] ..., one per index head) or None.
         """
-        ixs, kbufs, heads, caps, totals, qstarts, qrows = [], [], [], [], [], [], []
-        for i, (s, l, st) in enumerate(zip(seqs, layers, starts)):
-            k, _, total = self.store.buffers(s, l)
+        kv_of = [h // self.group if self.per_q_head else h for h in range(self.index_heads)]
+        jobs = []  # one (index, K, kv head, cap, total, qstart, qrows) per index behind its store
+        for i, ((k, total), s, l, st) in enumerate(zip(self.store._keys_of(zip(seqs, layers)), seqs, layers, starts)):
             for h, ix in enumerate(self._ix[s][l]):
-                if len(ix) >= total:
-                    continue
-                ixs.append(ix._c)
-                kbufs.append(k)
-                heads.append(h // self.group if self.per_q_head else h)
-                caps.append(k.shape[1])
-                totals.append(total)
-                qstarts.append(st)
-                qrows.append(None if q is None else q[i, h])
-        if ixs:
-            _core.insert_many(tuple(ixs), tuple(kbufs), tuple(heads), tuple(caps), tuple(totals),
-                              tuple(qstarts), tuple(qrows), self.store.code, nthreads)
+                c = ix._c
+                if c.n < total:  # len(ix) < total
+                    jobs.append((c, k, kv_of[h], k.shape[1], total, st, None if q is None else q[i, h]))
+        if jobs:
+            _core.insert_many(*zip(*jobs), self.store.code, nthreads)
 
     # -- compute ---------------------------------------------------------------
 
@@ -555,16 +549,17 @@ class HostContext:
 
     def _search_rows(self, pairs, q, k, ef, mask, threads):
         """One C search call: query row i [Hq, D] of q searches the indexes of (seq, layer)
-        pairs[i] -> ids [len(pairs), Hq, k], scanned [len(pairs), Hq]."""
+        pairs[i] (checked by the callers, search and search_layers) -> ids [len(pairs), Hq, k],
+        scanned [len(pairs), Hq]."""
         k = _dtypes.positive_int(k, "k", allow_zero=True)
         ef = 0 if ef is None else _dtypes.positive_int(ef, "ef")
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        bufs = [self.store.buffers(s, l) for s, l in pairs]
+        bufs = self.store._keys_of(pairs)  # (K, length) of each
         ixs = tuple(ix._c for s, l in pairs for ix in self._ix[s][l])
         ids = np.empty((len(pairs), self.num_q_heads, k), np.int64)
         scanned = np.empty((len(pairs), self.num_q_heads), np.int64)
         _core.search(ixs, tuple(b[0] for b in bufs), tuple(b[0].shape[1] for b in bufs),
-                     tuple(b[2] for b in bufs), self.store.code, self.num_kv_heads,
+                     tuple(b[1] for b in bufs), self.store.code, self.num_kv_heads,
                      self.head_dim, q, len(pairs), self.num_q_heads, self.per_q_head, k, ef, mask,
                      ids, scanned, nthreads)
         return ids, scanned
@@ -732,7 +727,7 @@ def _build_head(ix, n, h, G, train_queries, train_topk, candidates, threads) -> 
 
 def _covered(indexes) -> int:
     """Tokens every one of a (seq, layer)'s indexes covers (0 without indexes: raw16)."""
-    return min((len(ix) for ix in indexes), default=0)
+    return min([ix._c.n for ix in indexes], default=0)  # len(ix), read without a call per index
 
 
 def _seq_list(seqs) -> list[int]:

@@ -122,6 +122,12 @@ class KVStore:
         with self._lock:
             return self._k[seq][layer], self._v[seq][layer], int(self._len[seq, layer])
 
+    def _keys_of(self, pairs) -> list:
+        """[(K [Hkv, cap, D], length)] of (seq, layer) pairs the caller checked (`_check`), read
+        under one hold of the lock (`buffers` of each, without its check and V)."""
+        with self._lock:
+            return [(self._k[s][l], int(self._len[s, l])) for s, l in pairs]
+
     def _as_float(self, a: np.ndarray) -> np.ndarray:
         if self.code != _dtypes.BF16:
             return a.astype(np.float32)
@@ -275,8 +281,8 @@ class KVStore:
             raise ValueError(f"seqs must lie in [0, {self.num_seqs}) and layers in [0, {self.num_layers})")
         if T and t.min() < 0:
             raise ValueError(f"starts must be >= 0, got {t.min()}")
-        flat = s * self.num_layers + l
-        if np.unique(flat).size != T:
+        flat = s * self.num_layers + l  # in range (checked above)
+        if T and np.bincount(flat).max() > 1:
             raise ValueError("append_tokens: the (seq, layer) pairs must be distinct")
         total = T * self.num_kv_heads * self.head_dim
         converted = []
@@ -294,12 +300,18 @@ class KVStore:
                 raise ValueError(f"starts[{i}]={t[i]} leaves a gap after the {lengths[i]} stored tokens of "
                                  f"seq={s[i]} layer={l[i]}")
             new = np.flatnonzero(t == lengths)  # the others are stored already
-            for i in new:
-                seq, layer, at = int(s[i]), int(l[i]), int(lengths[i])
-                self._make_room(seq, layer, at + 1)
-                self._k[seq][layer][:, at] = converted[0][i]
-                self._v[seq][layer][:, at] = converted[1][i]
-                self._len[seq, layer] = at + 1
+            done = 0
+            try:  # Python ints and rows read once (not NumPy scalars and views per token)
+                for seq, layer, at, k_row, v_row in zip(s[new].tolist(), l[new].tolist(), lengths[new].tolist(),
+                                                        converted[0][new], converted[1][new]):
+                    if at >= self._k[seq][layer].shape[1]:
+                        self._make_room(seq, layer, at + 1)
+                    self._k[seq][layer][:, at] = k_row
+                    self._v[seq][layer][:, at] = v_row
+                    done += 1
+            finally:  # the lengths of the stores written (all, unless a growth was refused), in one write
+                written = new[:done]
+                self._len[s[written], l[written]] = lengths[written] + 1
             return int(new.size)
 
     def save(self, path, *, meta: dict | None = None) -> None:

@@ -331,12 +331,7 @@ class HostRuntime:
 
   def _background_job(self, layer: int, to_index, search_queries):
     t0 = time.perf_counter()
-    by_count: dict[int, list] = {}  # index_stored takes pairs with equally many new tokens
-    for pair, q in to_index:
-      by_count.setdefault(q.shape[1], []).append((pair, q))
-    for group in by_count.values():
-      self.context.index_stored([p[0] for p, _ in group], [p[1] for p, _ in group],
-                                queries=np.stack([q for _, q in group]), threads=self.background_threads)
+    self._index_groups(index_groups(to_index))
     t1 = time.perf_counter()
     self.stats.index_seconds += t1 - t0
     if search_queries is None:
@@ -344,6 +339,12 @@ class HostRuntime:
     result = self._search(layer, search_queries, threads=self.background_threads)
     self.stats.background_seconds += time.perf_counter() - t1
     return result
+
+  def _index_groups(self, groups) -> None:
+    """Indexes the stored tokens of `index_groups`' groups: an index_stored call each."""
+    for pairs, queries in groups:
+      self.context.index_stored([b for b, _ in pairs], [layer for _, layer in pairs], queries=queries,
+                                threads=self.background_threads)
 
   # -- speculative retrieval (FreeKV's reuse applied to the vector index) ----------------
 
@@ -415,6 +416,15 @@ def reuse_hits(
   return int(host_index.count_common(used, fresh).sum()), int(np.count_nonzero(used >= 0))
 
 
+def index_groups(to_index) -> list:
+  """[((seq, layer), queries [Hq, n, D])] -> [(pairs, queries [P, Hq, n, D])], one group per token
+  count n (index_stored takes pairs with equally many new tokens), in order of first appearance."""
+  by_count: dict[int, list] = {}
+  for pair, q in to_index:
+    by_count.setdefault(q.shape[1], []).append((pair, q))
+  return [([pair for pair, _ in group], np.stack([q for _, q in group])) for group in by_count.values()]
+
+
 def _with_unindexed(
     ids,  # [B, Hq, k] int64 retrieved store ids (-1 = none)
     unindexed,  # [B, n] int64 store ids not in any index yet (-1 = none)
@@ -433,7 +443,8 @@ def group_mean_cosine(
 ):
   """Mean over each GQA group of cos(q_t, q_{t-1}) -> [B, kv_heads]."""
   dot = np.sum(queries * previous, axis=-1)
-  norms = np.linalg.norm(queries, axis=-1) * np.linalg.norm(previous, axis=-1)
+  # np.linalg.norm(x, axis=-1) of a real array, without its Python checks and conj copy (the same bits)
+  norms = np.sqrt(np.add.reduce(queries * queries, axis=-1)) * np.sqrt(np.add.reduce(previous * previous, axis=-1))
   cosine = dot / np.maximum(norms, 1e-30)
   return cosine.reshape(cosine.shape[0], kv_heads, -1).mean(axis=-1)
 

@@ -346,14 +346,19 @@ class PrefetchRuntime(HostRuntime):
     """Appends every layer's evicted tokens in one call (a call per token and layer cost ~60 µs:
     1.8 ms a step at SmolLM2's 30 layers) and keeps each new token's query for its indexing; a
     token stored already (a repeated step) is skipped."""
-    rows, seqs = np.nonzero(evicted_pos[layers] >= 0)
-    pair_layers = np.asarray(layers, np.int64)[rows]
+    layer_ids = np.asarray(layers, np.int64)
+    rows, seqs = np.nonzero(evicted_pos[layer_ids] >= 0)
+    pair_layers = layer_ids[rows]
     starts = evicted_pos[pair_layers, seqs].astype(np.int64) - self.sinks
     stored = self.context.store.lengths()[seqs, pair_layers]
     self.stats.inserted_tokens += self.context.append_tokens(seqs, pair_layers, starts, evicted_k[pair_layers, seqs],
                                                              evicted_v[pair_layers, seqs])
-    for b, layer in zip(seqs[starts == stored], pair_layers[starts == stored]):
-      self._unindexed_queries.setdefault((int(b), int(layer)), []).append(evicted_q[layer, b])
+    new = np.flatnonzero(starts == stored)
+    new_seqs, new_layers = seqs[new], pair_layers[new]
+    # One gather of the new tokens' queries [N, Hq, D], kept as rows of it (a view per pair, not an index of
+    # evicted_q with NumPy scalars per pair).
+    for b, layer, q in zip(new_seqs.tolist(), new_layers.tolist(), evicted_q[new_layers, new_seqs]):
+      self._unindexed_queries.setdefault((b, layer), []).append(q)
 
   def _select(
       self,
@@ -409,7 +414,7 @@ class PrefetchRuntime(HostRuntime):
     scored = [t for t, layer in enumerate(layers) if self._selections[layer]]
     if not scored:
       return None, None
-    used = np.stack([self._selections[layers[t]].popleft() for t in scored])
+    used = np.array([self._selections[layers[t]].popleft() for t in scored])  # np.stack's result (equal shapes)
     if len(scored) == len(layers):
       return used, searched
     full = np.full((len(layers),) + used.shape[1:], -1, np.int64)
@@ -458,15 +463,17 @@ class PrefetchRuntime(HostRuntime):
                                Hq // G).reshape(T, B, Hq // G) < self.tau
     period = max(1, self.tail_slots // 2)
     # The phase counts (layer, group), not the sequence: a sequence's refreshes, and so its tokens,
-    # do not depend on its place in the batch (batch-1 and batch-N runs of it agree).
-    due = np.broadcast_to((np.arange(T * (Hq // G)).reshape(T, 1, Hq // G) + self._exchanges) % period == 0,
-                          (T, B, Hq // G))
+    # do not depend on its place in the batch (batch-1 and batch-N runs of it agree). [T, 1, Hq // G],
+    # broadcast over the batch below.
+    due = (np.arange(T * (Hq // G)).reshape(T, 1, Hq // G) + self._exchanges) % period == 0
     unseen = (stored[..., None] - self._seen[rows]).reshape(T, B, Hq // G, G).max(axis=-1)
     corrected = drift | (unseen > self.tail_slots)  # the last: a safety net the rotation keeps unused
-    redo = corrected | due
-    self.stats.corrected_groups += int(corrected.sum())
-    self.stats.refreshed_groups += int((redo & ~corrected).sum())
-    self.stats.speculated_groups += int((~redo).sum())
+    redo = corrected | due  # [T, B, Hq // G]
+    # counts of corrected, redo & ~corrected (corrected lies inside redo) and ~redo
+    n_corrected, n_redo = int(np.count_nonzero(corrected)), int(np.count_nonzero(redo))
+    self.stats.corrected_groups += n_corrected
+    self.stats.refreshed_groups += n_redo - n_corrected
+    self.stats.speculated_groups += redo.size - n_redo
     return np.repeat(redo, G, axis=-1)
 
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]
@@ -486,11 +493,18 @@ class PrefetchRuntime(HostRuntime):
   def _submit_background(self, layer: int, search_queries) -> None:
     """Queues the indexing of every layer's stored tokens as one job (key -1)."""
     pairs = sorted(self._unindexed_queries)
+    if not pairs:
+      return
     queries = [self._unindexed_queries.pop(pair) for pair in pairs]  # each a list of [Hq, D]
-    if queries and all(len(q) == 1 for q in queries):  # a token per pair (each step): one copy, not one a pair
-      block = np.stack([q[0] for q in queries])  # [P, Hq, D]
-      to_index = [(pair, block[i][:, None]) for i, pair in enumerate(pairs)]  # [Hq, 1, D] views
-    else:
+    if all(len(q) == 1 for q in queries):  # a token per pair (each step): one group, one copy, no regrouping
+      block = np.array([q[0] for q in queries])  # [P, Hq, D]: np.stack's copy (equal shapes), at half its cost
+      self._pending[layer] = self._executor.submit(self._index_job, [(pairs, block[:, :, None])])  # [P, Hq, 1, D]
+    else:  # grouped by count in the job
       to_index = [(pair, np.stack(q, axis=1)) for pair, q in zip(pairs, queries)]  # [Hq, n, D]
-    if to_index:
       self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, None)
+
+  def _index_job(self, groups) -> None:
+    """The background indexing of `index_groups`-like groups [(pairs, queries [P, Hq, n, D])]."""
+    t0 = time.perf_counter()
+    self._index_groups(groups)
+    self.stats.index_seconds += time.perf_counter() - t0

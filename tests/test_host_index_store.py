@@ -188,6 +188,26 @@ def test_append_tokens_equals_one_append_per_store(dtype):
         got.append_tokens([0], [3], [0], k[:1], v[:1])
 
 
+def test_append_tokens_refused_growth_keeps_the_earlier_stores_written():
+    """A growth refused by max_bytes raises StoreFullError after the stores before it in the call took
+    their token (lengths included) and leaves that store and the later ones as they were."""
+    per_token = 2 * H * D * 4  # K and V, float32
+    st = hi.KVStore(2, 2, H, D, dtype="float32", page_size=4, max_bytes=per_token * 13)
+    st.reserve(0, 0, 8)  # room for the token below
+    st.append(0, 0, 0, *kv(3, seed=1))
+    st.append(1, 0, 0, *kv(4, seed=2))  # full: its next token needs a growth past the cap
+    k, v = (a[:, :3].transpose(1, 0, 2) for a in kv(3, seed=3))  # [3, H, D]
+    with pytest.raises(hi.StoreFullError):
+        st.append_tokens([0, 1, 0], [0, 0, 1], [3, 4, 0], k, v)
+    assert st.lengths().tolist() == [[4, 0], [4, 0]]
+    np.testing.assert_array_equal(st.keys(0, 0)[:, 3], k[0])
+    np.testing.assert_array_equal(st.values(0, 0)[:, 3], v[0])
+    np.testing.assert_array_equal(st.keys(0, 0)[:, :3], kv(3, seed=1)[0])
+    with pytest.raises(hi.StoreFullError):  # (0, 0) holds its token already: nothing is grown for it
+        st.append_tokens([0, 1], [0, 0], [3, 4], k[:2], v[:2])
+    assert st.lengths().tolist() == [[4, 0], [4, 0]]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fetch_pages_many_equals_slices_of_each_store(dtype):
     st = hi.KVStore(2, 3, H, D, dtype=dtype, page_size=4)

@@ -200,6 +200,76 @@ def test_index_overflow_indexes_only_pairs_behind_by_more_than_the_tail():
     runtime.close()
 
 
+def test_queued_indexing_groups_pairs_by_their_count_of_new_tokens():
+  """Pairs behind by different counts (a repeated or skipped step) are indexed in one index_stored
+  call per count, each with its tokens' queries in store order; one token a pair is one group."""
+  to_index = [((0, 1), np.full((2, 2, 3), 1.0)), ((0, 0), np.full((2, 1, 3), 2.0)), ((1, 1), np.full((2, 2, 3), 3.0))]
+  groups = host_runtime.index_groups(to_index)
+  assert [pairs for pairs, _ in groups] == [[(0, 1), (1, 1)], [(0, 0)]]
+  assert [q.shape for _, q in groups] == [(2, 2, 2, 3), (1, 2, 1, 3)]
+  np.testing.assert_array_equal(groups[0][1][:, 0, 0, 0], [1.0, 3.0])
+  rng = np.random.default_rng(5)
+  L, Hkv, n, D = 2, 1, 20, 8
+  keys, values = rng.standard_normal((2, L, Hkv, n, D)).astype(np.float32)
+  runtime = _runtime(keys, values, topk=4, kind="graph")
+  try:
+    context = runtime.context
+    for extra in ((2, 1), (1, 1)):  # mixed counts, then one token a pair
+      for layer, count in enumerate(extra):
+        k, v = rng.standard_normal((2, Hkv, count, D)).astype(np.float32)
+        context.append(0, layer, context.store.length(0, layer), k, v)
+        runtime._unindexed_queries[(0, layer)] = list(rng.standard_normal((count, 2 * Hkv, D)).astype(np.float32))
+      runtime._submit_background(-1, None)
+      runtime._wait_background(-1)
+      assert not runtime._unindexed_queries
+      assert context.indexed_counts().tolist() == context.store.lengths().tolist()
+    runtime._submit_background(-1, None)  # nothing stored since: nothing queued
+    assert -1 not in runtime._pending
+  finally:
+    runtime.close()
+
+
+def test_group_mean_cosine_norms_are_those_of_linalg_norm():
+  """The drift test's cosine, bit for bit as np.linalg.norm's statement gave it (a changed rounding
+  could move a group across tau), zero rows included."""
+  rng = np.random.default_rng(6)
+  queries, previous = rng.standard_normal((2, 5, 6, 64)).astype(np.float32)
+  previous[1, 2] = 0.0
+  dot = np.sum(queries * previous, axis=-1)
+  norms = np.linalg.norm(queries, axis=-1) * np.linalg.norm(previous, axis=-1)
+  want = (dot / np.maximum(norms, 1e-30)).reshape(5, 3, 2).mean(axis=-1)
+  got = host_runtime.group_mean_cosine(queries, previous, 3)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+
+
+def test_speculative_counters_partition_the_groups_and_match_the_searched_heads():
+  """Every exchange after the first decides each (layer, seq, KV group) once: corrected, refreshed on its
+  turn, or speculated; the searched heads are the first two kinds' query heads."""
+  rng = np.random.default_rng(7)
+  L, Hkv, n, D = 2, 2, 40, 8
+  keys, values = rng.standard_normal((2, L, Hkv, n, D)).astype(np.float32)
+  runtime = _runtime(keys, values, topk=3, tail_slots=6, speculative=True, tau=0.9)
+  queries = rng.standard_normal((L, 1, 2 * Hkv, D), dtype=np.float32)
+  none = (np.zeros((L, 1, Hkv, D), np.float32), np.zeros((L, 1, Hkv, D), np.float32),
+          np.zeros((L, 1, 2 * Hkv, D), np.float32))
+  try:
+    runtime.prefetch_step([0, 1], queries, *none, np.full((L, 1), -1))
+    kinds = set()
+    for _ in range(6):
+      before = dataclasses.replace(runtime.stats)
+      queries = queries + 0.5 * rng.standard_normal(queries.shape, dtype=np.float32)
+      runtime.prefetch_step([0, 1], queries, *none, np.full((L, 1), -1))
+      delta = {name: getattr(runtime.stats, name) - getattr(before, name)
+               for name in ("corrected_groups", "refreshed_groups", "speculated_groups", "searched_heads")}
+      assert delta["corrected_groups"] + delta["refreshed_groups"] + delta["speculated_groups"] == L * Hkv
+      assert delta["searched_heads"] == 2 * (delta["corrected_groups"] + delta["refreshed_groups"])
+      kinds |= {name for name, count in delta.items() if count}
+    assert kinds == {"corrected_groups", "refreshed_groups", "speculated_groups", "searched_heads"}
+  finally:
+    runtime.close()
+
+
 def test_successor_ids_follow_each_found_id_within_the_store():
   found = np.array([[[[3, 7, -1, 8]]]])  # [T, B, Hq, k]; store of 9 tokens (ids 0..8)
   got = successor_ids(found, np.array([[9]]), 2)
