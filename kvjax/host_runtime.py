@@ -147,7 +147,10 @@ def default_reserved_cores(cores: int) -> int:
   14 cores and the token took 10.5 / 11.6 / 10.1 ms against 10.0 / 10.8 / 10.3 with none (three
   runs: within noise; freekv lag 2: 7.8 against 7.3, one run;
   experiments/results/bench_scale_smollm2shapes_synthetic_128k_reserved.md, _exchange_cores.md,
-  _default_r0.md). Measure again once the exchange is shorter than the step."""
+  _default_r0.md). Again on an H100 after the selection moved into C (2026-12-05): 9.56 ms with 2
+  reserved (jitted step 4.52, full's 4.85) against 9.87 with none, one run each, the exchange (8.7-9
+  ms) still the critical path (bench_scale_smollm2shapes_synthetic_128k_select_after.md). Measure
+  again once the exchange is shorter than the step."""
   del cores
   return 0
 
