@@ -76,6 +76,10 @@ POLICIES = {
     "retrieval_step_lag2_kv_spec_r0": ("retrieval", _STEP_SPEC | {"reserved_cores": 0}),
     "retrieval_step_lag2_kv_spec_r2": ("retrieval", _STEP_SPEC | {"reserved_cores": 2}),
     "retrieval_step_lag2_kv_spec_r4": ("retrieval", _STEP_SPEC | {"reserved_cores": 4}),
+    # 2 reserved and the indexing on 10 threads: the exchange's row gather (0.39 ms alone, 2.37 beside
+    # the indexing on the H100 host: bench_prefetch_smollm2shapes_32k_pinned16_select.md) gets cores of
+    # its own among the 14 left
+    "retrieval_step_lag2_kv_spec_r2_idx10": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "index_threads": 10}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),
