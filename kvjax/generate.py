@@ -317,9 +317,10 @@ def check_model(model, context: PrefilledContext) -> None:
   ours = (cfg.name, cfg.config_hash(), cfg.dtype)
   if theirs != ours:
     raise ValueError(f"context was made by model {theirs} (name, config hash, dtype), not by {ours}")
-  if context.weights and context.weights != weights_fingerprint(model.params):
+  fingerprint = weights_fingerprint(model.params) if context.weights else ""
+  if fingerprint != context.weights:
     raise ValueError(f"context was made by model {ours} with other weights (fingerprint {context.weights}, this "
-                     f"model's {weights_fingerprint(model.params)}): another checkpoint of the same architecture")
+                     f"model's {fingerprint}): another checkpoint of the same architecture")
 
 
 def check_mesh(model, context: PrefilledContext) -> None:

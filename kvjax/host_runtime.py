@@ -330,11 +330,16 @@ class HostRuntime:
     pairs = sorted(key for key in self._unindexed_queries if key[1] == layer)
     to_index = [(pair, np.stack(self._unindexed_queries.pop(pair), axis=1)) for pair in pairs]  # [Hq, n, D]
     if to_index or search_queries is not None:
-      self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, search_queries)
+      self._pending[layer] = self._executor.submit(self._background_job, layer, index_groups(to_index),
+                                                   search_queries)
 
-  def _background_job(self, layer: int, to_index, search_queries):
+  def _background_job(self, layer: int, groups, search_queries):
+    """Indexes the stored tokens of `groups` [(pairs, queries [P, Hq, n, D])] (an index_stored call
+    each) and, with `search_queries`, returns that search's (ids, scanned)."""
     t0 = time.perf_counter()
-    self._index_groups(index_groups(to_index))
+    for pairs, queries in groups:
+      self.context.index_stored([seq for seq, _ in pairs], [l for _, l in pairs], queries=queries,
+                                threads=self.background_threads)
     t1 = time.perf_counter()
     self.stats.index_seconds += t1 - t0
     if search_queries is None:
@@ -342,12 +347,6 @@ class HostRuntime:
     result = self._search(layer, search_queries, threads=self.background_threads)
     self.stats.background_seconds += time.perf_counter() - t1
     return result
-
-  def _index_groups(self, groups) -> None:
-    """Indexes the stored tokens of `index_groups`' groups: an index_stored call each."""
-    for pairs, queries in groups:
-      self.context.index_stored([b for b, _ in pairs], [layer for _, layer in pairs], queries=queries,
-                                threads=self.background_threads)
 
   # -- speculative retrieval (FreeKV's reuse applied to the vector index) ----------------
 

@@ -49,7 +49,8 @@ import numpy as np
 
 import host_index
 from kvjax.host_runtime import (HostRuntime, available_cores, background_worker, default_reserved_cores,
-                                exchange_nice, group_mean_cosine, warn_failed, worker_cores)
+                                exchange_nice, group_mean_cosine, index_groups, warn_failed,
+                                worker_cores)
 from kvjax.row_update import RowUpdate, StepBuffers, new_update
 
 
@@ -496,15 +497,9 @@ class PrefetchRuntime(HostRuntime):
     if not pairs:
       return
     queries = [self._unindexed_queries.pop(pair) for pair in pairs]  # each a list of [Hq, D]
-    if all(len(q) == 1 for q in queries):  # a token per pair (each step): one group, one copy, no regrouping
+    if all(len(q) == 1 for q in queries):  # a token per pair (each step): one group, one copy
       block = np.array([q[0] for q in queries])  # [P, Hq, D]: np.stack's copy (equal shapes), at half its cost
-      self._pending[layer] = self._executor.submit(self._index_job, [(pairs, block[:, :, None])])  # [P, Hq, 1, D]
-    else:  # grouped by count in the job
-      to_index = [(pair, np.stack(q, axis=1)) for pair, q in zip(pairs, queries)]  # [Hq, n, D]
-      self._pending[layer] = self._executor.submit(self._background_job, layer, to_index, None)
-
-  def _index_job(self, groups) -> None:
-    """The background indexing of `index_groups`-like groups [(pairs, queries [P, Hq, n, D])]."""
-    t0 = time.perf_counter()
-    self._index_groups(groups)
-    self.stats.index_seconds += time.perf_counter() - t0
+      groups = [(pairs, block[:, :, None])]  # [P, Hq, 1, D]
+    else:
+      groups = index_groups([(pair, np.stack(q, axis=1)) for pair, q in zip(pairs, queries)])  # [Hq, n, D] each
+    self._pending[layer] = self._executor.submit(self._background_job, layer, groups, None)

@@ -5,6 +5,7 @@ import os
 import sys
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -391,8 +392,6 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   """Between two steps the main thread reads the step's rows, the runtime id and the status in
   one transfer: every separate read of a device value (a `jax.device_get`, an `int()` of a
   device scalar) waits for its own copy, on the critical path of a lag-2 step."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   cls = type(make_policy(policy, **options))
   reads, inside = [], []
   real_get, real_after, real_checked = jax.device_get, cls.after_step, cls.checked_runtime
