@@ -56,13 +56,16 @@ flags.DEFINE_integer("pinned", 0, "Ids per query head pinned by the first step's
 flags.DEFINE_integer("pinned_span", 16, "Tokens kept from each pinned id on.")
 flags.DEFINE_integer("gil_probe_steps", 8, "Steps run again after the timed ones beside a thread that needs the GIL "
                      "(experiments/gil_probe.py): how long the decode loop's main thread would wait for it.")
+flags.DEFINE_boolean("index_yields", False, "The background indexing pauses while the exchange's C calls run "
+                     "(retrieval's `index_yields`, host_index/csrc/hi_gate.h).")
 flags.DEFINE_string("out_dir", None, "Results directory.")
 flags.DEFINE_string("name", "bench_prefetch", "Results file name.")
 FLAGS = flags.FLAGS
 NOTES = ("Synthetic random vectors, host CPU time only: search times depend on the vectors (random ones are the "
          "hardest case for a graph index); gather and bookkeeping costs depend on the shapes and the rows that "
          "enter. ms columns are medians over the timed steps.")
-PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_seconds", "searched_heads")
+PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_seconds", "searched_heads", "index_seconds",
+          "index_yield_seconds")
 
 
 def build_runtime(rng) -> PrefetchRuntime:
@@ -78,7 +81,7 @@ def build_runtime(rng) -> PrefetchRuntime:
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
-                            pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span,
+                            pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span, index_yields=FLAGS.index_yields,
                             **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers
   return runtime
@@ -169,6 +172,9 @@ def main(argv):
              # the median of each step's rest, not a difference of medians (of different steps)
              wait_ms=round(1e3 * float(np.median([s["callback_seconds"] - s["insert_seconds"] - s["search_seconds"]
                                                   - s["gather_seconds"] for s in per_step])), 3),
+             # the background indexing (wall; counted when its job ends, so in the step after it started)
+             index_ms=median("index_seconds"), index_yields=FLAGS.index_yields,
+             index_yield_ms=median("index_yield_seconds"),  # its threads' waits for the exchange, summed
              tau=FLAGS.tau, successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
              pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span,
              searched_heads=int(np.median([s["searched_heads"] for s in per_step])),

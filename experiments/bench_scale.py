@@ -80,6 +80,10 @@ POLICIES = {
     # the indexing on the H100 host: bench_prefetch_smollm2shapes_32k_pinned16_select.md) gets cores of
     # its own among the 14 left
     "retrieval_step_lag2_kv_spec_r2_idx10": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "index_threads": 10}),
+    # the background indexing pauses while the exchange's C calls run and works in their gaps
+    # (host_index/csrc/hi_gate.h), without and with 2 cores reserved for the launching thread
+    "retrieval_step_lag2_kv_spec_yield": ("retrieval", _STEP_SPEC | {"index_yields": True}),
+    "retrieval_step_lag2_kv_spec_r2_yield": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "index_yields": True}),
     "freekv": ("freekv", {}),
     "freekv_step": ("freekv", {"bridge": "per_step"}),
     "freekv_step_pinned": ("freekv", {"bridge": "per_step", "transfer": "pinned"}),

@@ -386,7 +386,7 @@ class HostContext:
             self._extend(seqs[:done], layers[:done], starts[:done], q, nthreads)
         return new
 
-    def index_stored(self, seqs, layers, *, queries=None, threads=None) -> None:
+    def index_stored(self, seqs, layers, *, queries=None, threads=None, yield_to_foreground: bool = False) -> float:
         """Indexes the stored but not yet indexed tokens of several (seq, layer)s, one C call.
 
         Decoding appends each token leaving the device window with `append` (a copy, on
@@ -400,6 +400,12 @@ class HostContext:
                 through its group's mean query, as `insert_many`; other kinds ignore
                 them). Every pair must then have exactly n unindexed tokens.
             threads: OpenMP threads (default: all; at most one per index).
+            yield_to_foreground: each index's insert first waits while any search, slot
+                selection, row gather or host attention of this process runs (a background
+                indexing beside a decode exchange: host_index/csrc/hi_gate.h).
+
+        Returns:
+            The seconds the inserts waited so, summed over the threads (0 without yielding).
         """
         self.store._require_floats("HostContext.index_stored")
         seqs, layers = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
@@ -421,7 +427,7 @@ class HostContext:
                                  f"({sorted(pending)})")
             q = self._insert_queries(queries, qshape)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        self._extend(seqs, layers, starts, q, nthreads)
+        return self._extend(seqs, layers, starts, q, nthreads, yield_to_foreground=bool(yield_to_foreground))
 
     def _insert_queries(self, queries, qshape):
         """Validated float32 queries [T, Hidx, n, D], one row per token and index head.
@@ -437,8 +443,9 @@ class HostContext:
                 axis=2, dtype=np.float32))
         return q
 
-    def _extend(self, seqs, layers, starts, q, nthreads) -> None:
-        """Indexes every stored token of the (seq, layer)s in one C call.
+    def _extend(self, seqs, layers, starts, q, nthreads, *, yield_to_foreground: bool = False) -> float:
+        """Indexes every stored token of the (seq, layer)s in one C call -> the seconds it waited
+        for foreground calls (see index_stored).
 
         The (seq, layer)s are checked by the callers (insert_many, index_stored). q: [T, Hidx, n, D]
         float32 (rows of tokens starts[i] ..., one per index head) or None.
@@ -450,8 +457,9 @@ class HostContext:
                 c = ix._c
                 if c.n < total:  # len(ix) < total
                     jobs.append((c, k, kv_of[h], k.shape[1], total, st, None if q is None else q[i, h]))
-        if jobs:
-            _core.insert_many(*zip(*jobs), self.store.code, nthreads)
+        if not jobs:
+            return 0.0
+        return _core.insert_many(*zip(*jobs), self.store.code, nthreads, yield_to_foreground)
 
     # -- compute ---------------------------------------------------------------
 

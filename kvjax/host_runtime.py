@@ -70,6 +70,8 @@ class HostStats:
   attend_seconds: float = 0.0  # search + attention (+ waits) on the critical path
   wait_seconds: float = 0.0  # waiting for the previous step's background job of a layer
   index_seconds: float = 0.0  # background: indexing stored tokens
+  # background, index_yields: the indexing's threads waiting for the exchange's C calls (summed over threads)
+  index_yield_seconds: float = 0.0
   background_seconds: float = 0.0  # speculative: search time in the background thread
   callback_seconds: float = 0.0
   step_wait_seconds: float = 0.0  # bridge="per_step", lag 2: waiting for the background prefetch
@@ -220,11 +222,14 @@ class HostRuntime:
   whose threads are descheduled by the other team's spinning threads stalls for a time slice.
   background_nice: nice value of the background threads (`background_worker`).
   worker_cores: the cores the background threads run on (as `worker_cores` returns them; None: any).
+  index_yields: the background indexing pauses (between its per-index tasks) while a search, slot
+    selection, row gather or host attention runs (host_index/csrc/hi_gate.h): it then runs in the
+    critical path's gaps instead of beside its C calls.
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, worker_cores: frozenset[int] | None = None):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None, index_yields: bool = False):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
     self.speculative, self.tau = speculative, tau
@@ -235,6 +240,7 @@ class HostRuntime:
     self.critical_threads = max(1, available_cores() - self.background_threads)
     self.background_nice = background_nice
     self.worker_cores = worker_cores
+    self.index_yields = bool(index_yields)
     self.stats = HostStats()
     self.prefill_times = PrefillTimes()
     self.errors: list[str] = []
@@ -338,8 +344,9 @@ class HostRuntime:
     each) and, with `search_queries`, returns that search's (ids, scanned)."""
     t0 = time.perf_counter()
     for pairs, queries in groups:
-      self.context.index_stored([seq for seq, _ in pairs], [l for _, l in pairs], queries=queries,
-                                threads=self.background_threads)
+      self.stats.index_yield_seconds += self.context.index_stored(
+          [seq for seq, _ in pairs], [l for _, l in pairs], queries=queries, threads=self.background_threads,
+          yield_to_foreground=self.index_yields)
     t1 = time.perf_counter()
     self.stats.index_seconds += t1 - t0
     if search_queries is None:

@@ -1,9 +1,12 @@
 """Layer-wide C calls of HostContext: search (ids only), attend_ids, insert_many."""
 
+import threading
+
 import numpy as np
 import pytest
 
 import host_index as hi
+from host_index import _core
 from host_index.synthetic import clustered
 
 S, L, HQ, HKV, D = 2, 2, 6, 2, 16
@@ -273,6 +276,38 @@ def test_index_stored_equals_insert_many(kind):
     assert state(a) == state(b)
     a.index_stored([0], [1])  # nothing left to index: a no-op
     assert state(a) == state(b)
+
+
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_a_yielding_index_waits_while_a_foreground_call_runs(kind):
+    """index_stored(yield_to_foreground=True) inserts nothing while a foreground call runs (the
+    exchange's searches, gathers: host_index/csrc/hi_gate.h), then what it inserts without
+    yielding; an insert that does not yield goes on beside the call."""
+    a, b = make(kind), make(kind)
+    pairs = [(0, 1), (1, 1)]
+    seqs, layers = [s for s, _ in pairs], [l for _, l in pairs]
+    k, v, q = new_tokens(len(pairs), 3, seed=6)
+    for ctx in (a, b):
+        for i, (s, l) in enumerate(pairs):
+            ctx.append(s, l, 300, k[i], v[i])
+    waited = []
+    _core.foreground_enter()
+    try:
+        worker = threading.Thread(target=lambda: waited.append(
+            a.index_stored(seqs, layers, queries=q, yield_to_foreground=True)))
+        worker.start()
+        assert b.index_stored(seqs, layers, queries=q) == 0.0  # beside the foreground call
+        assert b.indexed(0, 1) == 303
+        worker.join(timeout=0.5)
+        assert worker.is_alive() and a.indexed(0, 1) == a.indexed(1, 1) == 300
+    finally:
+        _core.foreground_exit()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and waited[0] > 0.0
+    assert state(a) == state(b)
+    assert a.index_stored([0], [1], yield_to_foreground=True) == 0.0  # nothing to index, no wait
+    with pytest.raises(RuntimeError, match="no foreground call"):
+        _core.foreground_exit()
 
 
 @pytest.mark.parametrize("kind", ["flat", "roar"])

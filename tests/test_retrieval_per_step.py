@@ -138,6 +138,9 @@ def test_lag_two_is_deterministic_and_differs_from_lag_one():
   one = run(model, prompt, **options)
   two, again = run(model, prompt, lag=2, **options), run(model, prompt, lag=2, **options)
   np.testing.assert_array_equal(two.logits, again.logits)  # thread timing does not leak into results
+  yielding = run(model, prompt, lag=2, index_yields=True, **options)  # the indexing in the exchange's gaps
+  np.testing.assert_array_equal(two.logits, yielding.logits)
+  assert yielding.policy_stats["index_yield_seconds"] >= 0.0 == two.policy_stats["index_yield_seconds"]
   assert np.abs(two.logits - one.logits).max() > 1e-4  # an older selection: a different approximation
   assert two.policy_stats["step_wait_seconds"] >= 0.0
   for result in (one, two):  # after each step: reading its rows, then (from the second on) landing an update
@@ -661,6 +664,7 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(bridge="per_step", window=8, pinned_window=9), "pinned_window=9 applies"),
     (dict(pinned_window=4), "pinned_window=4 applies"),
     (dict(index_threads=4), "index_threads=4"),
+    (dict(bridge="per_step", index_yields=1), "index_yields"),
 ])
 def test_bad_options(options, message):
   with pytest.raises((ValueError, TypeError), match=message):

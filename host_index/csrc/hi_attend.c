@@ -5,6 +5,7 @@
 
 #include <stdlib.h>
 
+#include "hi_gate.h"
 #include "hi_kernels.h"
 
 int hi_team(int requested, int64_t tasks, int64_t work) {
@@ -175,15 +176,17 @@ int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, i
 
 int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t *n_total,
                    const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
-                   int64_t count, int threads) {
+                   int64_t count, int threads, int yield, int64_t *waited_ns) {
   int err = HI_OK;
+  int64_t waited = 0;
   /* A graph insert is 0.1-1 ms: every index is worth a thread. */
-#pragma omp parallel for schedule(dynamic, 1) \
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : waited) \
     num_threads(hi_team(threads, count, count * HI_MIN_WORK))
   for (int64_t i = 0; i < count; i++) {
     hi_index_t *ix = idx[i];
     const int64_t nt = n_total[i];
     int e = HI_OK;
+    if (yield) waited += hi_gate_pass(); /* holding no lock: see hi_gate.h */
     pthread_rwlock_wrlock(&ix->lock);
     if (ix->n < nt) {
       const float *qq = NULL;
@@ -201,6 +204,7 @@ int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t 
       err = e;
     }
   }
+  if (waited_ns) *waited_ns = waited;
   return err;
 }
 
@@ -223,7 +227,10 @@ int hi_gather_pages_multi(const void *const *k, const void *const *v, const int6
    * on bandwidth, so a thread per 16 KiB of rows (sizing by bytes / 4 gave 2 threads for 2K
    * rows of 256 B, the 8B shapes' per-layer gather); pages are contiguous runs. */
   const int64_t work = page == 1 ? P * (int64_t)row * 4 : P * page * (int64_t)row / 4;
-#pragma omp parallel for schedule(static) num_threads(hi_team(threads, P, work))
+  /* Dynamic chunks (16 KiB of single rows, ~32 KiB of pages at SmolLM2's shapes): beside
+   * other busy threads a descheduled thread's static share held up the whole call. */
+  const int chunk = page == 1 ? 64 : 4;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(hi_team(threads, P, work))
   for (int64_t p = 0; p < P; p++) {
     const int64_t g = group[p];
     char *dk = (char *)out_k + (size_t)p * page * row;

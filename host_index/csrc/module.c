@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include "hi_attend.h"
+#include "hi_gate.h"
 #include "hi_index.h"
 #include "hi_kernels.h"
 #include "hi_slots.h"
@@ -606,8 +607,8 @@ static PyObject *py_attend(PyObject *mod, PyObject *args) {
     ids = bufs[nb++].buf;
   }
   int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_attend(idx, kv, vv, B, Hq, Hkv, per_q, q, k, ef, scale, o, lse,
-                                         scn, ids, threads);
+  Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(err, hi_attend(idx, kv, vv, B, Hq, Hkv, per_q, q, k, ef, scale,
+                                                     o, lse, scn, ids, threads));
   Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
@@ -659,8 +660,8 @@ static PyObject *py_search(PyObject *mod, PyObject *args) {
   if (get_buf(so, &bufs[nb], 1, mul2(T, 8), "scanned") < 0) goto out;
   int64_t *scn = bufs[nb++].buf;
   int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask, ids,
-                                               scn, threads);
+  Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(err, hi_search_layer(idx, kv, B, Hq, Hkv, per_q, q, k, ef, mask,
+                                                           ids, scn, threads));
   Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
@@ -708,7 +709,8 @@ static PyObject *py_attend_ids(PyObject *mod, PyObject *args) {
   if (get_buf(lo, &bufs[nb], 1, mul2(T, 4), "lse") < 0) goto out;
   float *lse = bufs[nb++].buf;
   int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_attend_ids(kv, vv, B, Hq, Hkv, q, ids, n, scale, o, lse, threads);
+  Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(
+      err, hi_attend_ids(kv, vv, B, Hq, Hkv, q, ids, n, scale, o, lse, threads));
   Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
@@ -718,17 +720,19 @@ out:
   return ret;
 }
 
-/* insert_many(indexes, kbufs, heads, caps, n_totals, q_starts, queries, dtype, threads):
+/* insert_many(indexes, kbufs, heads, caps, n_totals, q_starts, queries, dtype, threads, yield):
  * index i (distinct) reads head heads[i] of kbufs[i] ([Hkv, cap, dim]) and is
  * extended to n_totals[i]; queries[i] is None or [rows, dim] float32, the own
- * queries of rows q_starts[i] ... (see hi_insert_many). */
+ * queries of rows q_starts[i] ... (see hi_insert_many). With yield, each index
+ * waits for running foreground calls first (hi_gate.h). Returns the seconds
+ * waited so, summed over the threads. */
 static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
   (void)mod;
   PyObject *ixs, *kbs, *hs, *caps, *nts, *qss, *qs;
-  int dtype, threads;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!ii", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
+  int dtype, threads, yield;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!iip", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
                         &PyTuple_Type, &hs, &PyTuple_Type, &caps, &PyTuple_Type, &nts,
-                        &PyTuple_Type, &qss, &PyTuple_Type, &qs, &dtype, &threads) ||
+                        &PyTuple_Type, &qss, &PyTuple_Type, &qs, &dtype, &threads, &yield) ||
       check_dtype(dtype) < 0)
     return NULL;
   const Py_ssize_t C = PyTuple_GET_SIZE(ixs);
@@ -785,8 +789,9 @@ static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
     }
   }
   int err;
-  Py_BEGIN_ALLOW_THREADS err = hi_insert_many(idx, kv, nt, q0, qp, qr, C, threads);
-  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = Py_NewRef(Py_None);
+  int64_t waited = 0;
+  Py_BEGIN_ALLOW_THREADS err = hi_insert_many(idx, kv, nt, q0, qp, qr, C, threads, yield, &waited);
+  Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = PyFloat_FromDouble((double)waited * 1e-9);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);
   PyMem_Free(idx);
@@ -910,10 +915,10 @@ static PyObject *py_gather_pages_multi(PyObject *mod, PyObject *args) {
     kp[g] = sb[ns++].buf;
   }
   if (ok) {
-    Py_BEGIN_ALLOW_THREADS err = hi_gather_pages_multi(
+    Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(err, hi_gather_pages_multi(
         kp, kp + G, caps, (const int64_t *)ib[1].buf, G, dtype, Hkv, dim, page,
         (const int64_t *)ib[2].buf, (const int64_t *)ib[3].buf, (const int64_t *)ib[4].buf, P,
-        ib[5].buf, ib[6].buf, threads);
+        ib[5].buf, ib[6].buf, threads));
     Py_END_ALLOW_THREADS
   }
   for (Py_ssize_t i = 0; i < ns; i++) PyBuffer_Release(&sb[i]);
@@ -943,7 +948,8 @@ static PyObject *py_assign_slots(PyObject *mod, PyObject *args) {
   const int nb = get_bufs(objs, need, 3, 2, b, "assign_slots");
   int err = HI_OK;
   if (nb == 3) {
-    Py_BEGIN_ALLOW_THREADS err = hi_assign_slots(b[0].buf, b[1].buf, R, S, b[2].buf, threads);
+    Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(
+        err, hi_assign_slots(b[0].buf, b[1].buf, R, S, b[2].buf, threads));
     Py_END_ALLOW_THREADS
   }
   for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
@@ -968,7 +974,8 @@ static PyObject *py_count_common(PyObject *mod, PyObject *args) {
   const int nb = get_bufs(objs, need, 3, 2, b, "count_common");
   int err = HI_OK;
   if (nb == 3) {
-    Py_BEGIN_ALLOW_THREADS err = hi_count_common(b[0].buf, n, b[1].buf, m, R, b[2].buf, threads);
+    Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(
+        err, hi_count_common(b[0].buf, n, b[1].buf, m, R, b[2].buf, threads));
     Py_END_ALLOW_THREADS
   }
   for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
@@ -1036,7 +1043,8 @@ static PyObject *py_select_slots(PyObject *mod, PyObject *args) {
     out.dest = b[at].buf;
     out.ids = b[at + 1].buf;
     out.src = b[at + 2].buf;
-    Py_BEGIN_ALLOW_THREADS err = hi_select_slots(held, held_rows, S, &sel, &out, threads);
+    Py_BEGIN_ALLOW_THREADS HI_FOREGROUND(
+        err, hi_select_slots(held, held_rows, S, &sel, &out, threads));
     Py_END_ALLOW_THREADS
   }
   for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
@@ -1058,6 +1066,26 @@ static PyObject *py_isa(PyObject *mod, PyObject *unused) {
   return PyUnicode_FromString(hi_kernels_isa());
 }
 
+/* foreground_enter() / foreground_exit(): marks a foreground call from Python (hi_gate.h), as
+ * the C calls above mark themselves; for tests of yielding inserts. */
+static PyObject *py_foreground_enter(PyObject *mod, PyObject *unused) {
+  (void)mod;
+  (void)unused;
+  hi_gate_enter();
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_foreground_exit(PyObject *mod, PyObject *unused) {
+  (void)mod;
+  (void)unused;
+  if (hi_gate_running() < 1) {
+    PyErr_SetString(PyExc_RuntimeError, "foreground_exit: no foreground call is running");
+    return NULL;
+  }
+  hi_gate_exit();
+  Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"isa", py_isa, METH_NOARGS, "Instruction set of the kernels in use."},
     {"attend", py_attend, METH_VARARGS, "Host partial attention for one layer."},
@@ -1070,6 +1098,8 @@ static PyMethodDef module_methods[] = {
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
     {"select_slots", py_select_slots, METH_VARARGS, "Compose rows' wanted ids, assign them slots."},
+    {"foreground_enter", py_foreground_enter, METH_NOARGS, "A foreground call starts (hi_gate.h)."},
+    {"foreground_exit", py_foreground_exit, METH_NOARGS, "A foreground call ends (hi_gate.h)."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {

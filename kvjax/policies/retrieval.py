@@ -41,7 +41,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import checks, host_runtime, prefetch_runtime, row_update
+from kvjax import checks, device_read, host_runtime, prefetch_runtime, row_update
 from kvjax.policies.base import (AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, merged_counters,
                                  set_layer)
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
@@ -263,6 +263,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: per_step only: cores the host's worker threads stay off, for the thread that
     launches the step's kernels (default None: none; kvjax.host_runtime.default_reserved_cores
     says why; kvjax.prefetch_runtime.PrefetchRuntime).
+  index_yields: the background indexing pauses while the host's searches, slot selection, row
+    gathers and attention run, and works in their gaps (host_index/csrc/hi_gate.h; default off
+    until measured on a GPU host).
   """
 
   index: str = "roar"
@@ -289,12 +292,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   background_nice: int = 10
   index_threads: int | None = None
   reserved_cores: int | None = None
+  index_yields: bool = False
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice",
-                    "index_threads", "reserved_cores")
+                    "index_threads", "reserved_cores", "index_yields")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -311,6 +315,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       if getattr(self, field) is not None:
         checks.integer(getattr(self, field), field, low=low)
     checks.boolean(self.speculative, "speculative")
+    checks.boolean(self.index_yields, "index_yields")
     checks.real(self.tau, "tau", low=0.0, high=1.0)
     if self.bridge not in BRIDGES:
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
@@ -427,7 +432,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
-                  background_nice=self.background_nice)
+                  background_nice=self.background_nice, index_yields=self.index_yields)
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
@@ -471,11 +476,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   def _read_step(self, state: RetrievalState):
     """(the runtime, checked for errors; the step's queries and evicted tokens (k, v, q,
-    positions) as host arrays), all read in one transfer (timed into rows_seconds): each
-    separate read of a device value waits for its own copy, on the main thread between steps."""
+    positions) as host arrays), all read in one copy (timed into rows_seconds; kvjax.device_read
+    says why): the main thread does it between steps, the device idle."""
     t0 = time.perf_counter()
-    runtime_id, status, *step = jax.device_get((state.runtime_id, state.status, state.step_q, state.step_evicted_k,
-                                                state.step_evicted_v, state.step_evicted_q, state.step_evicted_pos))
+    runtime_id, status, *step = device_read.read_together((state.runtime_id, state.status, state.step_q,
+                                                           state.step_evicted_k, state.step_evicted_v,
+                                                           state.step_evicted_q, state.step_evicted_pos))
     runtime = self.checked_runtime(runtime_id, status)
     step = _host_arrays(step)
     runtime.stats.rows_seconds += time.perf_counter() - t0
@@ -743,8 +749,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     last_q = self._last_prompt_queries(cfg, state)  # [L, B, Hq, D]
     self._pin(cfg, state)
     none = jnp.full((cfg.num_layers, len(state.prompt_lengths)), -1, jnp.int32)
-    step = _host_arrays(jax.device_get((last_q, state.step_evicted_k, state.step_evicted_v, state.step_evicted_q,
-                                        none)))
+    step = _host_arrays(device_read.read_together((last_q, state.step_evicted_k, state.step_evicted_v,
+                                                   state.step_evicted_q, none)))
     state = self._prefetch(cfg, self.runtime(state), state, step)
     return self._warm_scatter(state)
 

@@ -1,0 +1,35 @@
+/* The foreground gate: background index inserts pause while an exchange's C
+ * calls (searches, slot selection, row gathers, host attention) run.
+ *
+ * Why: the decode exchange's row gather took 0.39 ms alone and 2.37 ms beside
+ * the background indexing's OpenMP team on a 16-core host, with the exchange at
+ * a lower nice value than the indexing or not
+ * (experiments/results/bench_prefetch_smollm2shapes_32k_pinned16_select.md,
+ * bench_scale_smollm2shapes_synthetic_128k_select_after.md): OS priorities do
+ * not order two OpenMP teams. A yielding insert loop (hi_insert_many with
+ * yield) waits here between its tasks, holding no lock, so it runs only in the
+ * exchange's gaps (its Python, the copy to the device, the device's step). */
+#ifndef HI_GATE_H
+#define HI_GATE_H
+
+#include <stdint.h>
+
+/* A foreground call starts / ends (any thread; calls may overlap). */
+void hi_gate_enter(void);
+void hi_gate_exit(void);
+
+/* The foreground calls running now. */
+int hi_gate_running(void);
+
+/* Blocks while any foreground call runs; returns the nanoseconds waited. */
+int64_t hi_gate_pass(void);
+
+/* `call` (an int expression) as a foreground call, its result in err. */
+#define HI_FOREGROUND(err, call) \
+  do {                           \
+    hi_gate_enter();             \
+    (err) = (call);              \
+    hi_gate_exit();              \
+  } while (0)
+
+#endif
