@@ -13,7 +13,7 @@ import pytest
 import host_index
 import kvjax
 import ops
-from kvjax import host_runtime, prefetch_runtime
+from kvjax import device_read, host_runtime, prefetch_runtime
 from kvjax.policies import RetrievalAttention, make_policy
 from test_generate import random_prompt, tiny_model
 
@@ -390,16 +390,23 @@ def test_roar_prefill_links_through_exact_then_block_neighbours(monkeypatch):
                                                              bridge="per_step", lag=2))])
 def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   """Between two steps the main thread reads the step's rows, the runtime id and the status in
-  one transfer: every separate read of a device value (a `jax.device_get`, an `int()` of a
-  device scalar) waits for its own copy, on the critical path of a lag-2 step."""
+  one copy (kvjax.device_read): every separate read of a device value (a `jax.device_get` of
+  each array, an `int()` of a device scalar) waits for its own copy, on the critical path of a
+  lag-2 step."""
   cls = type(make_policy(policy, **options))
-  reads, inside = [], []
-  real_get, real_after, real_checked = jax.device_get, cls.after_step, cls.checked_runtime
+  reads, gets, inside = [], [], []
+  real_get, real_read = jax.device_get, device_read.read_together
+  real_after, real_checked = cls.after_step, cls.checked_runtime
 
   def counted_get(x):
     if inside:
-      reads.append(x)
+      gets.append(x)
     return real_get(x)
+
+  def counted_read(arrays):
+    if inside:
+      reads.append(arrays)
+    return real_read(arrays)
 
   def after_step(self, cfg, state):
     inside.append(True)
@@ -413,6 +420,7 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
     return real_checked(self, runtime_id, status)
 
   monkeypatch.setattr(jax, "device_get", counted_get)
+  monkeypatch.setattr(device_read, "read_together", counted_read)
   monkeypatch.setattr(cls, "after_step", after_step)
   monkeypatch.setattr(cls, "checked_runtime", checked_runtime)
   real_runtime = cls.runtime
@@ -424,4 +432,4 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   monkeypatch.setattr(cls, "runtime", runtime)
   kvjax.generate(tiny_model("llama"), random_prompt(40), max_new_tokens=6, prefill_chunk=16, policy=policy,
                  policy_options=options)
-  assert len(reads) == 5  # 5 steps (the sixth token comes from the fifth), one read after each
+  assert len(reads) == 5 and not gets  # 5 steps (the sixth token comes from the fifth), one read after each

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import device_read
 from models.config import ModelConfig
 from models.decoder import forward_hidden
 
@@ -248,7 +249,7 @@ class HostBackedMixin:
     return host_runtime.lookup(int(state.runtime_id))
 
   def check(self, state) -> None:
-    self.checked_runtime(*jax.device_get((state.runtime_id, state.status)))  # one transfer for both
+    self.checked_runtime(*device_read.read_together((state.runtime_id, state.status)))  # one copy for both
 
   def checked_runtime(self, runtime_id, status):
     """The runtime `runtime_id` names, once any error its host side or the step's callbacks

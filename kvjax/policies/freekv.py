@@ -114,7 +114,7 @@ import numpy as np
 
 import host_index
 import ops
-from kvjax import checks, freekv_host, host_runtime, kv_codec, row_update
+from kvjax import checks, device_read, freekv_host, host_runtime, kv_codec, row_update
 from kvjax.policies import page_selection, page_summary
 from kvjax.policies.base import (AttentionPolicy, DenseLayersMixin, HostBackedMixin, layer_window, merged_counters,
                                  set_layer)
@@ -554,7 +554,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
           scale=cfg.attn_scale, implementation=self._score_impl(cfg))
       state = state.replace(selection=only_sparse(selection), step_fetch=only_sparse(fetch), step_slots=slots,
                             promised_ids=only_sparse(ids), primed=sparse)
-      packed = self._gather(runtime, jax.device_get(self._step_arrays(state)), next(iter(state.pool_k.devices())))
+      packed = self._gather(runtime, device_read.read_together(self._step_arrays(state)),
+                            next(iter(state.pool_k.devices())))
       if i == 0:
         state = self._land(runtime, state, packed)
       else:
@@ -568,7 +569,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     `after_step` lands."""
     if self.bridge == "per_step" and self.lag == 2:
       runtime = self.runtime(state)
-      rows = jax.device_get(self._step_arrays(state))
+      rows = device_read.read_together(self._step_arrays(state))
       runtime.pending = _done(self._gather(runtime, rows, next(iter(state.pool_k.devices()))))
       runtime.stats = freekv_host.FreeKVStats()
     return state
@@ -579,8 +580,8 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       return state
     t0 = time.perf_counter()
     # Read now (the next step donates these buffers), with the runtime id and status in the same
-    # transfer: each separate read of a device value waits for its own copy.
-    runtime_id, status, rows = jax.device_get((state.runtime_id, state.status, self._step_arrays(state)))
+    # transfer (kvjax.device_read says why).
+    runtime_id, status, *rows = device_read.read_together((state.runtime_id, state.status) + self._step_arrays(state))
     runtime = self.checked_runtime(runtime_id, status)
     runtime.stats.rows_seconds += time.perf_counter() - t0
     device = next(iter(state.pool_k.devices()))
@@ -601,7 +602,7 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
 
   @staticmethod
   def _step_arrays(state: FreeKVState) -> tuple:
-    """What a step hands to the host (device arrays; `jax.device_get` starts their copies together)."""
+    """What a step hands to the host (device arrays, read in one copy: kvjax.device_read)."""
     return (state.step_evicted_k, state.step_evicted_v, state.step_evicted_pos, state.step_fetch, state.step_slots,
             state.step_counters)
 

@@ -1,0 +1,37 @@
+"""kvjax.device_read: several device arrays read in one copy equal their separate reads."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import device_read
+
+
+def step_like_arrays():
+  """A per_step bridge's outputs in kind: scalars, float32 queries, bfloat16 rows, int32 positions,
+  a bool mask, an int8 code and an empty array, in an order that puts narrow items first."""
+  rng = np.random.default_rng(0)
+  return (jnp.int32(7), jnp.asarray(rng.standard_normal((3, 1, 2, 5)), jnp.bfloat16), jnp.int32(-1),
+          jnp.asarray(rng.standard_normal((3, 1, 4, 5)), jnp.float32), jnp.asarray([[3], [-1], [9]], jnp.int32),
+          jnp.asarray(rng.random((2, 3)) > 0.5), jnp.asarray([-128, 0, 127], jnp.int8), jnp.zeros((0, 4), jnp.float32))
+
+
+def test_one_copy_equals_separate_reads(monkeypatch):
+  arrays = step_like_arrays()
+  expected = [np.asarray(x) for x in arrays]
+  monkeypatch.setattr(jax, "device_get", lambda *a: pytest.fail("one device: no per-array reads"))
+  got = device_read.read_together(arrays)
+  assert len(got) == len(arrays)
+  for want, have in zip(expected, got):
+    assert have.dtype == want.dtype and have.shape == want.shape
+    np.testing.assert_array_equal(have, want)
+    assert not have.flags.writeable  # views of the one copy
+  assert device_read.read_together(()) == []
+
+
+def test_values_that_are_not_device_arrays_are_read_one_by_one():
+  arrays = (np.arange(4, dtype=np.int32), jnp.float32(2.5))
+  got = device_read.read_together(arrays)
+  np.testing.assert_array_equal(got[0], np.arange(4))
+  assert got[1] == np.float32(2.5) and got[1].dtype == np.float32
