@@ -50,6 +50,8 @@ def read_together(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
     return []
   if not _one_device(arrays):
     return [np.asarray(x) for x in jax.device_get(arrays)]
+  if not all(x.committed for x in arrays):  # one compiled read for both (jit's cache tells them apart)
+    arrays = jax.device_put(arrays, next(iter(arrays[0].devices())))
   # Widest items first: every part starts at a multiple of its item size (aligned views).
   order = tuple(sorted(range(len(arrays)), key=lambda i: -arrays[i].dtype.itemsize))
   packed = np.asarray(_pack(arrays, order))

@@ -14,7 +14,7 @@ import pytest
 
 import host_index
 import kvjax
-from kvjax import host_runtime, prefetch_runtime, row_update
+from kvjax import device_read, host_runtime, prefetch_runtime, row_update
 from kvjax.policies import RetrievalAttention
 from kvjax.policies.retrieval import attend_rows, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
@@ -596,8 +596,9 @@ def test_every_update_size_compiles_before_the_first_step(tmp_path, monkeypatch)
                         prefill_chunk=16)
     if path is not None:
       kvjax.save_context(ctx, path)
-    before = row_update.scatter_rows._cache_size()
+    before, reads = row_update.scatter_rows._cache_size(), device_read._pack._cache_size()
     result = kvjax.decode(model, ctx, max_new_tokens=STEPS_SAVED, return_logits=True)
+    assert device_read._pack._cache_size() == reads  # the steps' output read compiled with the first rows
     return result, row_update.scatter_rows._cache_size() - before
 
   _, compiled = prefill_and_decode(topk=5, warm=False)

@@ -1,14 +1,17 @@
 /* The foreground gate: background index inserts pause while an exchange's C
  * calls (searches, slot selection, row gathers, host attention) run.
  *
- * Why: the decode exchange's row gather took 0.39 ms alone and 2.37 ms beside
- * the background indexing's OpenMP team on a 16-core host, with the exchange at
- * a lower nice value than the indexing or not
- * (experiments/results/bench_prefetch_smollm2shapes_32k_pinned16_select.md,
- * bench_scale_smollm2shapes_synthetic_128k_select_after.md): OS priorities do
+ * Why: on a 16-core host the decode exchange's row gather took 0.39 ms alone
+ * and 2.37 ms beside the background indexing's OpenMP team
+ * (experiments/results/bench_prefetch_smollm2shapes_32k_pinned16_select.md),
+ * and the exchange's gather section took 4.8 ms at 128K whether it ran at a
+ * lower nice value than the indexing or at the same one
+ * (bench_scale_smollm2shapes_synthetic_128k_select_after.md): OS priorities do
  * not order two OpenMP teams. A yielding insert loop (hi_insert_many with
- * yield) waits here between its tasks, holding no lock, so it runs only in the
- * exchange's gaps (its Python, the copy to the device, the device's step). */
+ * yield) waits here between its tasks, holding no lock (a foreground search
+ * may wait for an index's write lock, never the reverse), so it runs in the
+ * exchange's gaps (its Python, the copy to the device, the wait for the next
+ * step). Opt-in (retrieval's index_yields): not yet measured on a GPU host. */
 #ifndef HI_GATE_H
 #define HI_GATE_H
 

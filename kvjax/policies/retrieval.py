@@ -479,13 +479,17 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     positions) as host arrays), all read in one copy (timed into rows_seconds; kvjax.device_read
     says why): the main thread does it between steps, the device idle."""
     t0 = time.perf_counter()
-    runtime_id, status, *step = device_read.read_together((state.runtime_id, state.status, state.step_q,
-                                                           state.step_evicted_k, state.step_evicted_v,
-                                                           state.step_evicted_q, state.step_evicted_pos))
+    runtime_id, status, *step = device_read.read_together(self._step_outputs(state))
     runtime = self.checked_runtime(runtime_id, status)
     step = _host_arrays(step)
     runtime.stats.rows_seconds += time.perf_counter() - t0
     return runtime, step
+
+  @staticmethod
+  def _step_outputs(state: RetrievalState) -> tuple:
+    """What a per_step decode step hands to the host (device arrays)."""
+    return (state.runtime_id, state.status, state.step_q, state.step_evicted_k, state.step_evicted_v,
+            state.step_evicted_q, state.step_evicted_pos)
 
   @property
   def repeats_steps(self) -> bool:
@@ -752,6 +756,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     step = _host_arrays(device_read.read_together((last_q, state.step_evicted_k, state.step_evicted_v,
                                                    state.step_evicted_q, none)))
     state = self._prefetch(cfg, self.runtime(state), state, step)
+    device_read.read_together(self._step_outputs(state))  # compiles the read of every step's outputs now
     return self._warm_scatter(state)
 
 
