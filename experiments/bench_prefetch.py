@@ -38,7 +38,11 @@ flags.DEFINE_integer("q_heads", 32, "Query heads.")
 flags.DEFINE_integer("kv_heads", 8, "KV heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension.")
 flags.DEFINE_integer("keys", 8192, "Host-resident keys per (layer, KV head).")
-flags.DEFINE_enum("index", "graph", ["graph", "ivf", "flat"], "Host index kind.")
+flags.DEFINE_enum("index", "graph", ["graph", "ivf", "flat", "roar"], "Host index kind.")
+flags.DEFINE_enum("roar_heads", "kv", ["kv", "query"], "roar: one graph per KV head (the 128K configuration's) or "
+                  "per query head.")
+flags.DEFINE_integer("train_queries", 1024, "roar: random training queries per query head (their exact top-k on the "
+                     "host: the decode's come from the device).")
 flags.DEFINE_integer("topk", 100, "Keys retrieved per query head.")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Host store dtype.")
 flags.DEFINE_integer("steps", 16, "Timed steps (after 2 warm-up steps).")
@@ -70,11 +74,13 @@ PHASES = ("insert_seconds", "search_seconds", "gather_seconds", "callback_second
 
 def build_runtime(rng) -> PrefetchRuntime:
   L, Hq, Hkv, D, n = FLAGS.layers, FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim, FLAGS.keys
-  context = host_index.HostContext(1, L, Hq, Hkv, D, dtype=FLAGS.dtype, kind=FLAGS.index)
+  roar = dict(roar_heads=FLAGS.roar_heads) if FLAGS.index == "roar" else {}
+  context = host_index.HostContext(1, L, Hq, Hkv, D, dtype=FLAGS.dtype, kind=FLAGS.index, **roar)
   for layer in range(L):
     keys = rng.standard_normal((Hkv, n, D), dtype=np.float32).astype(jnp.dtype(FLAGS.dtype))
     context.append(0, layer, 0, keys, keys)
-    context.build_layer(layer)
+    train = rng.standard_normal((1, Hq, FLAGS.train_queries, D), dtype=np.float32) if roar else None
+    context.build_layer(layer, train_queries=train)
     # Room for every step run (warm-up, timed, profiled, probed), as decode reserves it: no store
     # or index growth inside a step.
     context.reserve(0, layer, n + 2 + 2 * FLAGS.steps + FLAGS.gil_probe_steps + 8)
@@ -165,7 +171,8 @@ def main(argv):
   finally:
     runtime.close()
   median = lambda key: round(1e3 * float(np.median([s[key] for s in per_step])), 3)
-  row = dict(kind="prefetch_step", index=FLAGS.index, layers=L, q_heads=Hq, kv_heads=Hkv, head_dim=D,
+  index = f"roar per {FLAGS.roar_heads} head" if FLAGS.index == "roar" else FLAGS.index
+  row = dict(kind="prefetch_step", index=index, layers=L, q_heads=Hq, kv_heads=Hkv, head_dim=D,
              keys=FLAGS.keys, topk=FLAGS.topk, drift=FLAGS.drift, host_cores=available_cores(),
              build_s=round(build_seconds, 2), total_ms=median("total"), insert_ms=median("insert_seconds"),
              search_ms=median("search_seconds"), gather_ms=median("gather_seconds"),

@@ -25,6 +25,17 @@ def test_speculative_reuse_searches_fewer_heads(tmp_path):
   assert reuse["tau"] == 0.5 and reuse["searched_heads"] < every["searched_heads"]
 
 
+def test_roar_per_kv_head_with_a_yielding_indexing(tmp_path):
+  """The 128K configuration's index (roar, a graph per KV head) and `index_yields` run end to end;
+  the yielding indexing reports its waits (none beside a pass that does not yield)."""
+  rows = {y: run_bench(tmp_path, f"roar_{y}", "--index=roar", "--train_queries=40", "--steps=4", "--tau=0.8",
+                       f"--{'' if y else 'no'}index_yields")["rows"][0] for y in (False, True)}
+  for yields, row in rows.items():
+    assert row["index"] == "roar per kv head" and row["index_yields"] is yields and row["search_ms"] > 0
+    assert row["index_ms"] > 0 and row["index_yield_ms"] >= 0
+  assert rows[False]["index_yield_ms"] == 0
+
+
 def test_pinned_spans_take_their_slots(tmp_path):
   # (without the GIL probe's steps: compare_gathers then read an update whose buffers later steps had reused)
   pinned = run_bench(tmp_path, "pinned", "--steps=4", "--pinned=2", "--pinned_span=3", "--gil_probe_steps=0")["rows"][0]
