@@ -17,6 +17,32 @@ Public API:
                                               search, attend_ids, fetch_pages, save / load
 """
 
+import os
+
+
+def _libgomp_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return any(line.rstrip().rsplit("/", 1)[-1].startswith("libgomp.so") for line in maps)
+    except OSError:  # not Linux
+        return False
+
+
+# libgomp's threads spin after each parallel region before they sleep (~300K spins by default: 7.7 ms of
+# CPU per idle thread on the dev box; tests/test_host_index_threads.py measures it). Two thread
+# teams (the decode exchange's and the background indexing's) then keep every core busy spinning while
+# the other team works and while the main thread launches the device's kernels. PASSIVE: idle threads
+# sleep at once (a parallel call then wakes its team: tens of microseconds). Set before the imports below
+# load the C core and libgomp, which reads it then; a policy or spin count the user set is kept.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    if _libgomp_loaded():
+        import warnings
+
+        warnings.warn("libgomp was loaded before host_index, so its idle threads spin (~8 ms of a core "
+                      "after every parallel call); set OMP_WAIT_POLICY=PASSIVE before Python starts",
+                      RuntimeWarning, stacklevel=2)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 from host_index._context import HostContext
 from host_index._index import DEFAULT_PARAMS
 from host_index._index import Index
