@@ -21,6 +21,8 @@ import host_index
 import results_io
 
 flags.DEFINE_list("keys", ["32768", "131072"], "Keys per KV head.")
+flags.DEFINE_integer("layers", 8, "Layers, each with its own graphs, visited in turn: a decode step's searches and "
+                     "inserts each touch another layer's graph, so their memory is rarely in cache.")
 flags.DEFINE_integer("q_heads", 9, "Query heads.")
 flags.DEFINE_integer("kv_heads", 3, "KV heads.")
 flags.DEFINE_integer("head_dim", 64, "Head dimension.")
@@ -34,30 +36,33 @@ FLAGS = flags.FLAGS
 
 def measure(n: int, rng) -> dict:
   Hq, Hkv, D = FLAGS.q_heads, FLAGS.kv_heads, FLAGS.head_dim
-  ctx = host_index.HostContext(1, 1, Hq, Hkv, D, dtype="bfloat16", kind="roar", roar_heads="kv")
-  keys = rng.standard_normal((Hkv, n, D), dtype=np.float32)
-  ctx.append(0, 0, 0, keys, keys)
-  ctx.reserve(0, 0, n + FLAGS.repeats)
+  L = FLAGS.layers
+  ctx = host_index.HostContext(1, L, Hq, Hkv, D, dtype="bfloat16", kind="roar", roar_heads="kv")
   t0 = time.perf_counter()
-  ctx.build_layer(0, train_queries=rng.standard_normal((1, Hq, FLAGS.train_queries, D), dtype=np.float32))
+  for layer in range(L):
+    keys = rng.standard_normal((Hkv, n, D), dtype=np.float32)
+    ctx.append(0, layer, 0, keys, keys)
+    ctx.reserve(0, layer, n + FLAGS.repeats)
+    ctx.build_layer(layer, train_queries=rng.standard_normal((1, Hq, FLAGS.train_queries, D), dtype=np.float32))
   build_seconds = time.perf_counter() - t0
   query = rng.standard_normal((1, 1, Hq, D), dtype=np.float32)
   search, scanned = [], []
-  for _ in range(FLAGS.repeats):
+  for i in range(FLAGS.repeats):
     query = query + 0.3 * rng.standard_normal(query.shape, dtype=np.float32)  # drifts, as decode's
     t0 = time.perf_counter()
-    _, seen = ctx.search_layers([0], query, k=FLAGS.topk, threads=1)
+    _, seen = ctx.search_layers([i % L], query, k=FLAGS.topk, threads=1)
     search.append((time.perf_counter() - t0) / Hq)
     scanned.append(float(seen.mean()))
   insert = []
   for i in range(FLAGS.repeats):
     token = rng.standard_normal((Hkv, 1, D), dtype=np.float32)
-    ctx.append(0, 0, n + i, token, token)
+    layer = i % L
+    ctx.append(0, layer, ctx.store.length(0, layer), token, token)
     own_query = rng.standard_normal((1, Hq, 1, D), dtype=np.float32)
     t0 = time.perf_counter()
-    ctx.index_stored([0], [0], queries=own_query, threads=1)
+    ctx.index_stored([0], [layer], queries=own_query, threads=1)
     insert.append((time.perf_counter() - t0) / Hkv)
-  return dict(keys=n, build_s=round(build_seconds, 2), search_ms_per_head=round(1e3 * float(np.median(search)), 4),
+  return dict(keys=n, layers=L, build_s=round(build_seconds, 2), search_ms_per_head=round(1e3 * float(np.median(search)), 4),
               scanned_keys=round(float(np.mean(scanned))), scanned_share=round(float(np.mean(scanned)) / n, 4),
               insert_ms_per_graph=round(1e3 * float(np.median(insert)), 4), threads=1)
 
@@ -69,7 +74,7 @@ def main(argv):
   for row in rows:
     print(row)
   notes = (f"One thread, medians of {FLAGS.repeats}: a search of every query head ({FLAGS.q_heads}; top-{FLAGS.topk}, "
-           f"default ef), divided by the heads; an insert of one token into every KV head's graph ({FLAGS.kv_heads}; "
+           f"default ef) in layer i % layers, divided by the heads; an insert of one token into every KV head's graph ({FLAGS.kv_heads}; "
            "roar's decode insert: a key search and an own-query search at ef_insert), divided by the graphs. Random "
            "vectors (the synthetic benchmarks' case), roar per KV head, bfloat16 store.")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)

@@ -1,13 +1,13 @@
 """Device -> host reads of a step's small outputs in one copy (the per_step bridges, between steps).
 
 Why: `jax.device_get` of a tuple starts one copy per array and then waits for each on the main
-thread, taking the GIL back after every wait, while the host exchange's thread runs Python beside
-it. The retrieval bridge read 7 arrays (~160 KB at SmolLM2 shapes) a step this way, and that read
-took 1.3-2.0 ms on the H100 host at 128K with the exchange running beside it (0.7 before the
-exchange released the GIL more often;
+thread, taking the GIL back after every wait, while the host exchange's thread runs beside it. The
+retrieval bridge read 7 arrays (~160 KB at SmolLM2 shapes) a step this way, and that read took
+1.3-2.0 ms on the H100 host at 128K with the exchange running beside it (0.7 ms at the commit
+before 2c3d895; what made it grow was not isolated;
 experiments/results/bench_scale_smollm2shapes_synthetic_128k_select_after.md): device-idle time
 between two steps. Here a jitted concatenation of the arrays' bytes (a small kernel after the
-step) makes them one array, copied once and split into NumPy views.
+step) makes them one array, copied once and split into NumPy views. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _one_device(arrays) -> bool:
 
 
 def read_together(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
-  """The arrays as read-only NumPy arrays (same shapes and dtypes), copied in one transfer.
+  """The arrays as NumPy arrays (same shapes and dtypes), copied in one transfer: views of one
+  buffer, not to be written to.
 
   Arrays on several devices (a sharded state) are read with `jax.device_get` instead."""
   arrays = tuple(arrays)
