@@ -602,10 +602,12 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
                      int threads) {
   int64_t *off = calloc((size_t)n + 1, sizeof(int64_t));
   int32_t *occ = malloc((size_t)(m * nq > 0 ? m * nq : 1) * sizeof(int32_t));
+  float *root = malloc((size_t)n * sizeof(float)); /* sqrt(f(v)), once per key, not per pair */
   int err = HI_OK;
-  if (!off || !occ) {
+  if (!off || !occ || !root) {
     free(off);
     free(occ);
+    free(root);
     return HI_ENOMEM;
   }
   /* CSR: for each key, the training queries whose top-nq lists hold it. */
@@ -617,6 +619,7 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
     if (!fill) {
       free(off);
       free(occ);
+      free(root);
       return HI_ENOMEM;
     }
     for (int64_t i = 0; i < m; i++)
@@ -626,12 +629,13 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
       }
     free(fill);
   }
+  for (int64_t v = 0; v < n; v++) root[v] = sqrtf((float)(off[v + 1] - off[v]));
   const int want = ix->p.n_cooc;
   int64_t added = 0;
 #pragma omp parallel num_threads(hi_threads(threads)) reduction(+ : added)
   {
     int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
-    int32_t *touched = malloc((size_t)n * sizeof(int32_t));
+    int32_t *touched = malloc(((size_t)n + 1) * sizeof(int32_t)); /* + 1: the branchless append's spare write */
     int lerr = cnt && touched ? HI_OK : HI_ENOMEM;
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < n; u++) {
@@ -639,14 +643,21 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
       int64_t nt = 0;
       for (int64_t b = off[u]; b < off[u + 1]; b++) {
         const int32_t *row = tk + (int64_t)occ[b] * nq;
+        /* Branchless: whether v is new is a coin flip the predictor misses; the store is
+         * always made and kept only for a first count. u itself is counted too and skipped
+         * below with the linked keys. With the prefilter below and sqrt(f) computed once: the
+         * same links, 2.2 -> 1.15 s a graph on spread-out lists (31K keys, 28,672 lists, one
+         * dev-box core), 0.44 -> 0.39 s on clustered keys' exact lists. */
         for (int j = 0; j < nq; j++) {
           const int32_t v = row[j];
-          if (v < 0 || v == u) continue;
-          if (cnt[v]++ == 0) touched[nt++] = v;
+          if (v < 0) continue;
+          touched[nt] = v;
+          nt += cnt[v]++ == 0;
         }
       }
       int32_t *a = ix->adj + (size_t)u * ix->R;
       const int d0 = ix->deg[u];
+      cnt[u] = -1; /* itself */
       for (int j = 0; j < d0; j++) cnt[a[j]] = -1; /* already linked: skip */
       /* Bounded selection of the `want` best by (count, id): insertion into a
        * sorted array of at most `want` entries. */
@@ -656,7 +667,10 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
       for (int64_t t = 0; t < nt; t++) {
         const int32_t v = touched[t];
         if (cnt[v] <= 0) continue;
-        const float c = (float)cnt[v] / sqrtf((float)(off[v + 1] - off[v]));
+        /* Most keys fall short of a full list's last: rejected by a product with a margin
+         * (1e-4 against float rounding of 6e-8) before the exact quotient decides. */
+        if (nb == want && (float)cnt[v] < bc[nb - 1] * root[v] * 0.9999f) continue;
+        const float c = (float)cnt[v] / root[v];
         if (nb == want && !cooc_better(c, v, bc[nb - 1], bid[nb - 1])) continue;
         int pos = nb < want ? nb++ : want - 1;
         while (pos > 0 && cooc_better(c, v, bc[pos - 1], bid[pos - 1])) {
@@ -669,6 +683,7 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
       }
       for (int64_t t = 0; t < nt; t++) cnt[touched[t]] = 0;
       for (int j = 0; j < d0; j++) cnt[a[j]] = 0;
+      cnt[u] = 0;
       int d = d0;
       for (int j = 0; j < nb && d < ix->R; j++) a[d++] = bid[j];
       ix->deg[u] = d;
@@ -684,6 +699,7 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
   ix->stats.cooc_edges = added;
   free(off);
   free(occ);
+  free(root);
   return err;
 }
 
