@@ -65,6 +65,11 @@ POLICIES = {
     # 32 tail slots (default 8): each KV-head group is refreshed every 16 steps instead of every 4
     # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_t32": ("retrieval", _STEP_SPEC | {"tail_slots": 32}),
+    # 16 tail slots: a group not drifting is refreshed every 8 steps instead of 4, halving the ~74
+    # searches a 128K step makes (~65 of them refreshes: bench_scale_smollm2shapes_synthetic_128k_rounds),
+    # now that the gather no longer dominates the exchange as when _t32 was tried; with 2 cores reserved too
+    "retrieval_step_lag2_kv_spec_t16": ("retrieval", _STEP_SPEC | {"tail_slots": 16}),
+    "retrieval_step_lag2_kv_spec_r2_t16": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "tail_slots": 16}),
     # the background indexing on 16 / 6 threads (default: every core; 11 of 16 until
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
     "retrieval_step_lag2_kv_spec_idx16": ("retrieval", _STEP_SPEC | {"index_threads": 16}),
