@@ -635,7 +635,8 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
 #pragma omp parallel num_threads(hi_threads(threads)) reduction(+ : added)
   {
     int32_t *cnt = calloc((size_t)n, sizeof(int32_t));
-    int32_t *touched = malloc(((size_t)n + 1) * sizeof(int32_t)); /* + 1: the branchless append's spare write */
+    /* + 1: the branchless append's spare write */
+    int32_t *touched = malloc(((size_t)n + 1) * sizeof(int32_t));
     int lerr = cnt && touched ? HI_OK : HI_ENOMEM;
 #pragma omp for schedule(dynamic, 64)
     for (int64_t u = 0; u < n; u++) {
@@ -682,8 +683,7 @@ static int cooc_pass(hi_index_t *ix, int64_t n, const int32_t *tk, int64_t m, in
         bid[pos] = v;
       }
       for (int64_t t = 0; t < nt; t++) cnt[touched[t]] = 0;
-      for (int j = 0; j < d0; j++) cnt[a[j]] = 0;
-      cnt[u] = 0;
+      for (int j = 0; j < d0; j++) cnt[a[j]] = 0; /* u: reset above (its rows all hold it) */
       int d = d0;
       for (int j = 0; j < nb && d < ix->R; j++) a[d++] = bid[j];
       ix->deg[u] = d;
