@@ -166,6 +166,9 @@ class PrefilledContext:
     capacity: positions the state holds (prompt + the generation it was sized for).
     last_hidden: [batch, hidden] hidden state of each prompt's last token.
     prefill_seconds: wall time of the prefill (compilation included on a first call).
+    setup_times: a copy's wall seconds by part (kvjax.copy_context): "host_s" the host store and
+      indexes, "device_s" the state arrays, "attach_s" the new runtime and what the policy prepares
+      (retrieval per_step: the first step's rows, their copy, the scatter compiles); empty otherwise.
   """
 
   model_name: str
@@ -178,6 +181,7 @@ class PrefilledContext:
   last_hidden: Any
   prefill_seconds: float = 0.0
   metadata: dict = dataclasses.field(default_factory=dict)  # the caller's notes, saved with the context
+  setup_times: dict = dataclasses.field(default_factory=dict)
   weights: str = ""
   spent: bool = False
   _release: Callable[[], None] = lambda: None

@@ -234,6 +234,9 @@ def test_runner_records_on_random_tiny():
   assert [r["prefill_shared"] for r in records] == [False, True, True]
   # The second member of the retrieval group decoded from a copy; the first decoded the prefilled context.
   assert records[1]["copy_seconds"] == 0 and records[2]["copy_seconds"] > 0 and records[0]["copy_seconds"] == 0
+  parts = [records[2][f"copy_{part}"] for part in ("host_s", "device_s", "attach_s")]  # its parts, timed inside
+  assert min(parts) > 0 and sum(parts) <= records[2]["copy_seconds"]
+  assert not any(key.startswith("copy_") and key != "copy_seconds" for key in records[1])
   assert all(r["decode_seconds"] >= r["ms_per_token"] * 1e-3 for r in records)
   assert records[2]["options"]["speculative"] and "correction_rate" in records[2]["policy_stats"]
   # A member decoded from a copy of the shared prefill decodes as from its own prefill.

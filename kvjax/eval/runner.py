@@ -109,7 +109,7 @@ def _jsonable(value):
 
 
 def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared: bool, copy_seconds: float,
-            decode_seconds: float) -> dict:
+            copy_times: dict, decode_seconds: float) -> dict:
   text = result.texts[0] if result.texts is not None else ""
   return _jsonable({
       "task": sample.task,
@@ -130,6 +130,7 @@ def _record(sample: Sample, spec: PolicySpec, result, ids: list[int], *, shared:
       "prefill_seconds": result.prefill_seconds,
       "prefill_shared": shared,
       "copy_seconds": copy_seconds,
+      **{f"copy_{part}": seconds for part, seconds in copy_times.items()},
       "decode_seconds": decode_seconds,
       "policy_stats": result.policy_stats,
   })
@@ -160,7 +161,8 @@ def run_sample(
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
     policy_name, options, score, metric (the scorer: kvjax.eval.scoring), answers, generated,
     generated_tokens, ms_per_token, prefill_seconds, prefill_shared, copy_seconds (the in-memory
-    copy of a shared prefill this decode started from; 0 for the group's first member),
+    copy of a shared prefill this decode started from; 0 for the group's first member), on copies
+    copy_host_s, copy_device_s and copy_attach_s (its parts: PrefilledContext.setup_times),
     decode_seconds (the whole decode call's wall time), policy_stats.
   """
   if model.tokenizer is None:
@@ -197,6 +199,7 @@ def run_sample(
       result = kvjax.decode(model, member_context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
                             stop_when=stop_when)
       records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1, copy_seconds=copy_seconds,
+                           copy_times=member_context.setup_times,
                            decode_seconds=time.perf_counter() - t1) | {"early_stop": early_stop}
   return records  # type: ignore[return-value]
 
