@@ -17,10 +17,11 @@ Rows: decode_ms (median per-token step latency, first step dropped) and its part
 tokens_per_s (batch / decode_ms), prefill_and_index_s (prefill or synthetic fill, plus the
 policy's offload and index build; a retrieval row that only differs in decode options from an
 earlier one reloads that row's saved context and repeats its figure), device state bytes, host bytes (store + indexes) and host
-callbacks per step. Summary rows: each policy's decode_ms relative to its shortest context
-(growth), and its best tokens/s over the batches at each length; with `retrieval_step_lag1_kv`
-in the run, the share of host time each lag-2 `_kv` row takes off the critical path
-(host_phases.hidden_shares).
+callbacks per step. Summary rows: each policy's decode_ms at each length, its ratio to `full`'s
+and relative to its shortest context (growth), and its best tokens/s over the batches; a policy
+listed several times in --policies (rounds, e.g. full,a,b,full,b,a) counts by the median of its
+rows, with their range; with `retrieval_step_lag1_kv` in the run, the share of host time each
+lag-2 `_kv` row takes off the critical path (host_phases.hidden_shares, also medians).
 
 On a CPU it runs with simulated devices (`jax_num_cpu_devices` is set to the largest
 --devices), which proves the program, not its speed: do not record CPU numbers as results.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import sys
 import time
 
@@ -242,24 +244,42 @@ def run(model, devices: int, key: str, length: int, batch: int, stats, contexts,
 
 
 def summaries(rows: list[dict]) -> list[dict]:
-  """Growth of decode_ms with the context (batch 1 where measured, else the smallest batch) and
-  the best tokens/s over the batches, per (devices, policy, switch interval): rows of several
-  intervals once overwrote each other's growth."""
+  """Per (devices, policy, switch interval): growth of decode_ms with the context (batch 1 where
+  measured, else the smallest batch), decode_ms at each length with its spread and its ratio to
+  `full`'s, and the best tokens/s over the batches (rows of several intervals once overwrote each
+  other's growth).
+
+  A policy listed more than once (rounds of the same variants, to see the machine's drift) counts
+  by the median of its rows at each (context, batch), never its best row: on a noisy host four
+  rows of one variant spread 1-2 ms (experiments/results/bench_scale_smollm2shapes_synthetic_128k_tail16_b.md)."""
   ok = [r for r in rows if "decode_ms" in r]
-  out = []
   group = lambda r: (r["devices"], r["policy"], r.get("switch_interval"))
-  for devices, key, interval in dict.fromkeys(map(group, ok)):
-    mine = [r for r in ok if group(r) == (devices, key, interval)]
-    batch = min(r["batch"] for r in mine)
-    by_len = {r["context"]: r["decode_ms"] for r in mine if r["batch"] == batch}
+  # (devices, policy, interval) -> (context, batch) -> the rows' decode_ms, in order run
+  runs: dict[tuple, dict[tuple, list[float]]] = {}
+  for r in ok:
+    runs.setdefault(group(r), {}).setdefault((r["context"], r["batch"]), []).append(r["decode_ms"])
+  median_ms = {key: {case: statistics.median(ms) for case, ms in cases.items()} for key, cases in runs.items()}
+  out = []
+  for (devices, key, interval), cases in runs.items():
+    batch = min(b for _, b in cases)
+    by_len = {n: median_ms[devices, key, interval][n, b] for n, b in cases if b == batch}
     shortest = min(by_len)
-    growth = {f"growth_{n}": round(ms / by_len[shortest], 3) for n, ms in sorted(by_len.items())}
+    full = median_ms.get((devices, "full", interval), {})
+    per_len = {}
+    for n, ms in sorted(by_len.items()):
+      per_len[f"growth_{n}"] = round(ms / by_len[shortest], 3)
+      per_len[f"decode_ms_{n}"] = round(ms, 3)
+      spread = cases[n, batch]
+      per_len[f"rows_{n}"] = f"{len(spread)}: {min(spread)}-{max(spread)}" if len(spread) > 1 else "1"
+      if key != "full" and (n, batch) in full:
+        per_len[f"vs_full_{n}"] = round(ms / full[n, batch], 3)
     best = {}
-    for r in mine:
-      if r["tokens_per_s"] > best.get(r["context"], (0, 0))[0]:
-        best[r["context"]] = (r["tokens_per_s"], r["batch"])
+    for (n, b), ms in median_ms[devices, key, interval].items():
+      tokens_per_s = round(b * 1e3 / ms, 2)
+      if tokens_per_s > best.get(n, (0, 0))[0]:
+        best[n] = (tokens_per_s, b)
     out.append(dict(devices=devices, policy=key, **({} if interval is None else dict(switch_interval=interval)),
-                    growth_batch=batch, growth_from=shortest, **growth,
+                    growth_batch=batch, growth_from=shortest, **per_len,
                     **{f"best_tokens_per_s_{n}": f"{t} (batch {b})" for n, (t, b) in sorted(best.items())}))
   return out
 

@@ -7,6 +7,8 @@ in one run (`hidden_shares`).
 
 from __future__ import annotations
 
+import statistics
+
 import numpy as np
 
 
@@ -46,11 +48,18 @@ def hidden_shares(rows: list[dict], *, case: tuple[str, ...],
   search + gather, at the median step). The critical-path field is the row's own in-callback
   host time for a per-layer bridge (`attend_ms_median`) and its whole host time between
   steps for a per_step bridge (`after_step_ms`), so transfers and landing count against
-  hiding, not for it."""
+  hiding, not for it. A policy with several rows in a case counts by their medians."""
   ok = [r for r in rows if "decode_ms" in r]
   out = []
   for values in dict.fromkeys(tuple(r.get(k) for k in case) for r in ok):
-    mine = {r["policy"]: r for r in ok if tuple(r.get(k) for k in case) == values}
+    same = [r for r in ok if tuple(r.get(k) for k in case) == values]
+    # A policy run in several rows (rounds) counts by the median of each field over them.
+    mine = {}
+    for policy in dict.fromkeys(r["policy"] for r in same):
+      theirs = [r for r in same if r["policy"] == policy]
+      fields = set.intersection(*(set(r) for r in theirs))
+      mine[policy] = {f: statistics.median(r[f] for r in theirs) for f in fields
+                      if all(isinstance(r[f], (int, float)) and not isinstance(r[f], bool) for r in theirs)}
     for key, critical, sync_key in pairs:
       reference = mine.get(sync_key, {}).get("attend_ms_median")
       if reference and critical in mine.get(key, {}):

@@ -85,3 +85,21 @@ def test_per_step_rows_report_the_share_of_host_time_lag_2_hides(tmp_path):
   assert share["policy"] == "retrieval_step_lag2_kv" and share["against"] == "retrieval_step_lag1_kv"
   assert share["sync_search_attend_ms"] == sync["attend_ms_median"] > 0
   assert share["hidden_share"] == pytest.approx(1 - lag2["after_step_ms"] / sync["attend_ms_median"], abs=1e-3)
+
+
+def test_a_policy_listed_twice_counts_by_its_median_row(tmp_path):
+  doc = run_bench(tmp_path, "rounds", "--context=synthetic", "--calibration=random", "--calibration_len=1800",
+                  "--context_lens=2048", "--policies=full,freekv,full,freekv,freekv", "--sinks=32", "--budget=256",
+                  "--window=64")
+  rows = doc["rows"]
+  assert not [r for r in rows if "error" in r], rows
+  ms = {p: [r["decode_ms"] for r in rows if r["policy"] == p] for p in ("full", "freekv")}
+  summary = {s["policy"]: s for s in doc["summary"]}
+  for policy, mine in ms.items():
+    s = summary[policy]
+    assert s["decode_ms_2048"] == pytest.approx(statistics.median(mine), abs=1e-3)  # never the best row
+    assert s["rows_2048"] == f"{len(mine)}: {min(mine)}-{max(mine)}"
+    assert s["best_tokens_per_s_2048"] == f"{round(1e3 / statistics.median(mine), 2)} (batch 1)"
+  assert summary["freekv"]["vs_full_2048"] == pytest.approx(
+      statistics.median(ms["freekv"]) / statistics.median(ms["full"]), abs=1e-3)
+  assert "vs_full_2048" not in summary["full"]
