@@ -67,8 +67,8 @@ POLICIES = {
     # 32 tail slots (default 8): each KV-head group is refreshed every 16 steps instead of every 4
     # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_t32": ("retrieval", _STEP_SPEC | {"tail_slots": 32}),
-    # 16 tail slots: a group not drifting is refreshed every 8 steps instead of 4, halving the ~74
-    # searches a 128K step makes (~65 of them refreshes: bench_scale_smollm2shapes_synthetic_128k_rounds),
+    # 16 tail slots: a group not drifting is refreshed every 8 steps instead of 4, halving the ~65
+    # refresh searches of the ~74 a 128K step makes (bench_scale_smollm2shapes_synthetic_128k_rounds),
     # now that the gather no longer dominates the exchange as when _t32 was tried; with 2 cores reserved too
     "retrieval_step_lag2_kv_spec_t16": ("retrieval", _STEP_SPEC | {"tail_slots": 16}),
     "retrieval_step_lag2_kv_spec_r2_t16": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "tail_slots": 16}),

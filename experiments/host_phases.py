@@ -53,17 +53,15 @@ def hidden_shares(rows: list[dict], *, case: tuple[str, ...],
   out = []
   for values in dict.fromkeys(tuple(r.get(k) for k in case) for r in ok):
     same = [r for r in ok if tuple(r.get(k) for k in case) == values]
-    # A policy run in several rows (rounds) counts by the median of each field over them.
-    mine = {}
-    for policy in dict.fromkeys(r["policy"] for r in same):
-      theirs = [r for r in same if r["policy"] == policy]
-      fields = set.intersection(*(set(r) for r in theirs))
-      mine[policy] = {f: statistics.median(r[f] for r in theirs) for f in fields
-                      if all(isinstance(r[f], (int, float)) and not isinstance(r[f], bool) for r in theirs)}
+
+    def median(policy, field):  # over the policy's rows in this case (rounds); None if one lacks it
+      theirs = [r.get(field) for r in same if r["policy"] == policy]
+      return statistics.median(theirs) if theirs and None not in theirs else None
+
     for key, critical, sync_key in pairs:
-      reference = mine.get(sync_key, {}).get("attend_ms_median")
-      if reference and critical in mine.get(key, {}):
+      reference, mine = median(sync_key, "attend_ms_median"), median(key, critical)
+      if reference and mine is not None:
         out.append(dict(zip(case, values)) | dict(
-            policy=key, against=sync_key, critical_host_ms=mine[key][critical],
-            sync_search_attend_ms=reference, hidden_share=round(1 - mine[key][critical] / reference, 3)))
+            policy=key, against=sync_key, critical_host_ms=mine,
+            sync_search_attend_ms=reference, hidden_share=round(1 - mine / reference, 3)))
   return out
