@@ -52,6 +52,8 @@ flags.DEFINE_integer("profile_top", 12, "Functions listed by own time.")
 flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculative=True): a KV-head group keeps its "
                    "latest search while its query stays within this cosine of that search's query; unset: every "
                    "head searches every step.")
+flags.DEFINE_enum("refresh", "search", ["search", "merge"], "With --tau: how a group that has not drifted is "
+                  "refreshed on its turn (retrieval per_step's `refresh`).")
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
                      "per_step's `successors`, whose default there is twice its lag).")
 flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
@@ -84,7 +86,7 @@ def build_runtime(rng) -> PrefetchRuntime:
     # Room for every step run (warm-up, timed, profiled, probed), as decode reserves it: no store
     # or index growth inside a step.
     context.reserve(0, layer, n + 2 + 2 * FLAGS.steps + FLAGS.gil_probe_steps + 8)
-  speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau)
+  speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau, refresh=FLAGS.refresh)
   runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
                             pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span, index_yields=FLAGS.index_yields,
@@ -182,7 +184,8 @@ def main(argv):
              # the background indexing (wall; counted when its job ends, so in the step after it started)
              index_ms=median("index_seconds"), index_yields=FLAGS.index_yields,
              index_yield_ms=median("index_yield_seconds"),  # its threads' waits for the exchange, summed
-             tau=FLAGS.tau, successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
+             tau=FLAGS.tau, refresh=FLAGS.refresh if FLAGS.tau is not None else None,
+             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
              pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span,
              searched_heads=int(np.median([s["searched_heads"] for s in per_step])),
              searched_heads_max=int(max(s["searched_heads"] for s in per_step)),

@@ -72,6 +72,10 @@ POLICIES = {
     # now that the gather no longer dominates the exchange as when _t32 was tried; with 2 cores reserved too
     "retrieval_step_lag2_kv_spec_t16": ("retrieval", _STEP_SPEC | {"tail_slots": 16}),
     "retrieval_step_lag2_kv_spec_r2_t16": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "tail_slots": 16}),
+    # refreshes by merging the new tokens into a group's top-k instead of searching again (the ~65
+    # refresh searches of a 128K step's ~74 become exact scores of ~8 rows a head); with 2 cores reserved too
+    "retrieval_step_lag2_kv_spec_merge": ("retrieval", _STEP_SPEC | {"refresh": "merge"}),
+    "retrieval_step_lag2_kv_spec_r2_merge": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "refresh": "merge"}),
     # the background indexing on 16 / 6 threads (default: every core; 11 of 16 until
     # bench_scale_smollm2shapes_synthetic_32k_index_threads): its share of the cores, side by side
     "retrieval_step_lag2_kv_spec_idx16": ("retrieval", _STEP_SPEC | {"index_threads": 16}),

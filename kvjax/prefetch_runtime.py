@@ -127,6 +127,9 @@ def gather_threads(cores: int) -> int:
   return max(1, min(4, (cores - 2) // 4))
 
 
+REFRESH_MODES = ("search", "merge")
+
+
 class PrefetchRuntime(HostRuntime):
   """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
 
@@ -141,6 +144,10 @@ class PrefetchRuntime(HostRuntime):
     off, for the thread launching the device's kernels (default `default_reserved_cores`). With
     cores reserved the exchange runs at the caller's priority and only the indexing, which has
     until the next exchange, at `background_nice`; with none both run at `background_nice`.
+  refresh: how a speculative group that has not drifted is refreshed on its turn in the rotation
+    (see `_heads_to_search`): "search" searches its index again with the current query; "merge"
+    scores the tokens stored since its latest search against that search's query and merges them
+    into its top-k (`_merge_refresh`: no graph search; the group keeps its query until it drifts).
   index_after_gather: queue the indexing of the stored tokens after the gather, not beside it:
     for an exchange the device waits for (retrieval per_step lag 0 and 1), so the gather has
     the cores and the indexing overlaps the device's next pass (`gather_threads` has the cost of
@@ -150,7 +157,7 @@ class PrefetchRuntime(HostRuntime):
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
                pinned: int = 0, pinned_span: int = 1, background_threads: int | None = None,
-               reserved_cores: int | None = None,
+               reserved_cores: int | None = None, refresh: str = "search",
                index_after_gather: bool = False, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
@@ -170,6 +177,9 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"pinned={pinned} must lie in [0, topk={self.topk}]")
     if pinned_span < 1:
       raise ValueError(f"pinned_span={pinned_span} must be >= 1")
+    if refresh not in REFRESH_MODES:
+      raise ValueError(f"refresh={refresh!r}; expected one of {REFRESH_MODES}")
+    self.refresh = refresh
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
@@ -318,14 +328,16 @@ class PrefetchRuntime(HostRuntime):
     stored = lengths[:, rows].T  # [T, B]
     indexed = indexed_all[:, rows].T
     self._exchanges += 1
-    searched = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool
+    searched, merged = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool each
     found, scanned = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef, heads=searched,
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])
+    if merged.any():
+      found = self._merge_refresh(layers, rows, found, merged, stored)
     self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])
     self._last_found[rows] = found
-    self._seen[rows] = np.where(searched, indexed[..., None], self._seen[rows])
+    self._seen[rows] = np.where(searched, indexed[..., None], np.where(merged, stored[..., None], self._seen[rows]))
     self._searched_at[rows] = np.where(searched, self._exchanges, self._searched_at[rows])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
@@ -446,19 +458,20 @@ class PrefetchRuntime(HostRuntime):
     self.stats.shipped_rows += dest.size
     return update
 
-  def _heads_to_search(self, rows, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B] -> [T, B, Hq]
-    """Which (layer, seq, query head)s search at this step: all of them, or with `speculative`
-    the KV-head groups whose mean cosine between this query and the query of their latest search
-    fell below `tau`, plus a rotating 1 / (tail_slots // 2) of the groups. A group that keeps its
-    search attends the tokens stored since in its tail slots, so nothing is lost; the rotation
-    searches each group before its tail fills, spread evenly over the steps (refreshing every
-    group when its tail filled searched them all in the same step, all of them having started
-    together). Counted in corrected_groups (drifted, or the safety net), refreshed_groups (on
-    their turn only: not a correction, so tau's effect reads from the correction rate) and
-    speculated_groups."""
+  def _heads_to_search(self, rows, queries, stored, first: bool):  # queries [L, B, Hq, D], stored [T, B]
+    """Which (layer, seq, query head)s search at this step and which merge (`_merge_refresh`),
+    [T, B, Hq] bool each: every head searches, or with `speculative` the KV-head groups whose
+    mean cosine between this query and the query of their latest search fell below `tau`, plus a
+    rotating 1 / (tail_slots // 2) of the groups, which with refresh="merge" merge instead. A
+    group that keeps its search attends the tokens stored since in its tail slots, so nothing is
+    lost; the rotation refreshes each group before its tail fills, spread evenly over the steps
+    (refreshing every group when its tail filled searched them all in the same step, all of them
+    having started together). Counted in corrected_groups (drifted, or the safety net),
+    refreshed_groups (on their turn only: not a correction, so tau's effect reads from the
+    correction rate) and speculated_groups."""
     T, B, Hq = stored.shape[0], queries.shape[1], queries.shape[2]
     if first or not self.speculative:
-      return np.ones((T, B, Hq), bool)
+      return np.ones((T, B, Hq), bool), np.zeros((T, B, Hq), bool)
     G = self.context.group
     drift = group_mean_cosine(queries[rows].reshape(T * B, Hq, -1), self._last_query[rows].reshape(T * B, Hq, -1),
                                Hq // G).reshape(T, B, Hq // G) < self.tau
@@ -475,7 +488,47 @@ class PrefetchRuntime(HostRuntime):
     self.stats.corrected_groups += n_corrected
     self.stats.refreshed_groups += n_redo - n_corrected
     self.stats.speculated_groups += redo.size - n_redo
-    return np.repeat(redo, G, axis=-1)
+    if self.refresh == "merge":
+      return np.repeat(corrected, G, axis=-1), np.repeat(redo & ~corrected, G, axis=-1)
+    return np.repeat(redo, G, axis=-1), np.zeros((T, B, Hq), bool)
+
+  def _merge_refresh(
+      self,
+      layers,
+      rows,  # layer_rows(layers)
+      found,  # [T, B, Hq, k] int64: each head's latest top-k, best first
+      merged,  # [T, B, Hq] bool: the heads to refresh by merging
+      stored,  # [T, B] int: store lengths
+  ):
+    """`found` with each merged head's row replaced by the top-k, by the query of its latest
+    search, of that search's top-k and every token stored since (the tokens its tail slots
+    hold): exact scores of at most k + tail_slots store rows a head, gathered in one C call.
+
+    Why: on their turn a group that has not drifted was searched again, ~0.2 ms of one core a
+    head at 128K (experiments/results/bench_op_costs_*): at the 128K benchmark's ~0.1 correction
+    rate most of a step's searches were these refreshes. Their purpose, folding the new tokens
+    in before the tail fills, needs only those tokens' scores. Merged by the search's own query,
+    so its drift is still measured from it and a drifted group is searched as before."""
+    t, b, h = np.nonzero(merged)  # R heads
+    seen = self._seen[rows][t, b, h]
+    k, G, D = self.topk, self.context.group, self.context.head_dim
+    new = seen[:, None] + np.arange(self.tail_slots)  # [R, tail]: tokens stored since its search
+    new = np.where(new < stored[t, b][:, None], new, -1)
+    candidates = np.concatenate([found[t, b, h], new], axis=1)  # [R, k + tail]; found ids < seen <= new ids
+    n = candidates.shape[1]
+    B = stored.shape[1]
+    store = self.context.store
+    keys, _ = store.gather_rows_many([(seq, layer) for layer in layers for seq in range(B)],
+                                     np.repeat(t * B + b, n), np.repeat(h // G, n), candidates.reshape(-1),
+                                     threads=self.gather_threads)
+    keys = store.to_float32(keys).reshape(len(t), n, D)
+    scores = np.einsum("rnd,rd->rn", keys, self._last_query[rows][t, b, h])
+    scores = np.where(candidates >= 0, scores, -np.inf)
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties: the search's order, then the store's
+    ids = np.take_along_axis(candidates, best, axis=1)
+    found = found.copy()
+    found[t, b, h] = np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, ids, -1)
+    return found
 
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not

@@ -30,7 +30,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("flat", {"lag": 2, "successors": 2}), ("flat", {"lag": 0}),
                                           ("roar", {"lag": 0, "speculative": True, "tau": 0.8}),
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3}),
-                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5})])
+                                          ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5}),
+                                          ("roar", {"lag": 2, "speculative": True, "tau": 0.8, "refresh": "merge"})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -68,20 +69,21 @@ def test_equals_full_with_host_layers_around_a_dense_one(lag):
   assert sparse.policy_stats["speculated_groups"] > 0
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_speculative_reuse_loses_nothing_when_topk_covers_the_context(lag):
+@pytest.mark.parametrize("lag, refresh", [(1, "search"), (2, "search"), (2, "merge")])
+def test_speculative_reuse_loses_nothing_when_topk_covers_the_context(lag, refresh):
   """tau 0: a group searches again only on its turn in the refresh rotation (every
-  tail_slots // 2 = 4 steps); the tokens stored since its latest search are attended from its
-  tail, so with a covering top-k decode still equals full, while groups skip their search."""
+  tail_slots // 2 = 4 steps), or with refresh="merge" folds the tokens stored since into its
+  top-k; until then they are attended from its tail, so with a covering top-k decode still
+  equals full, while groups skip their search."""
   model = tiny_model("llama")
   prompts = [random_prompt(53), random_prompt(21, seed=5)]
   full = run(model, prompts)
   sparse = run(model, prompts, index="flat", topk=500, lag=lag, speculative=True, tau=0.0, tail_slots=8,
-               **PER_STEP)
+               refresh=refresh, **PER_STEP)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   stats = sparse.policy_stats
-  searched = stats["corrected_groups"] + stats["refreshed_groups"]
-  groups = stats["speculated_groups"] + searched
+  searched = stats["corrected_groups"] + (stats["refreshed_groups"] if refresh == "search" else 0)
+  groups = stats["speculated_groups"] + stats["corrected_groups"] + stats["refreshed_groups"]
   assert stats["speculated_groups"] > 0 and stats["corrected_groups"] > 0  # a tiny random model's queries swing
   assert stats["refreshed_groups"] > 0  # groups on their turn that had not drifted
   G = model.cfg.num_heads // model.cfg.num_kv_heads
@@ -500,6 +502,46 @@ def test_a_reused_search_moves_its_successors_on_by_its_age():
     runtime.close()
 
 
+def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query():
+  """refresh="merge" with exact (flat) search and queries that never drift: after the first
+  exchange no head searches again, yet each head's top-k stays the exact top-k, by the query of
+  its one search, of every token stored up to its latest merge, and its tail holds the rest."""
+  rng = np.random.default_rng(11)
+  L, Hkv, n, D, topk = 2, 2, 30, 8, 4
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=topk, tail_slots=4, speculative=True, tau=0.0, refresh="merge")
+  Hq = 2 * Hkv
+  queries = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  first_query = queries.copy()
+  stored_k = [np.array(keys[layer]) for layer in range(L)]  # [Hkv, n, D] per layer, grown below
+  merges = 0
+  try:
+    for step in range(9):
+      evicted_k, evicted_v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
+      # strong new keys along the first query, so that merging must take them in
+      evicted_k[:, 0] += 3 * first_query[:, 0, ::2]
+      position = runtime.sinks + n + step - 1  # the first exchange stores nothing
+      evicted_pos = np.array([[position], [position]]) if step else np.full((L, 1), -1)
+      searched_before = runtime.stats.searched_heads
+      merged_before = runtime.stats.refreshed_groups
+      runtime.prefetch_step([0, 1], queries + 0.01 * step, evicted_k, evicted_v,
+                            rng.standard_normal((L, 1, Hq, D), dtype=np.float32), evicted_pos)
+      if step:
+        stored_k = [np.concatenate([stored_k[layer], evicted_k[layer, 0][:, None]], axis=1) for layer in range(L)]
+        assert runtime.stats.searched_heads == searched_before  # no head searched again
+        merges += runtime.stats.refreshed_groups - merged_before
+      for layer in range(L):
+        for h in range(Hq):
+          seen = int(runtime._seen[layer, 0, h])
+          scores = stored_k[layer][h // 2, :seen] @ first_query[layer, 0, h]
+          want = np.argsort(-scores, kind="stable")[:topk]
+          np.testing.assert_array_equal(runtime._last_found[layer, 0, h], want)
+          assert stored_k[layer].shape[1] - seen <= runtime.tail_slots
+    assert merges > 0 and runtime._last_found.max() >= n  # merged heads took in new tokens
+  finally:
+    runtime.close()
+
+
 def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
   rng = np.random.default_rng(0)
   L, Hkv, n, D, topk = 2, 2, 40, 16, 5
@@ -647,6 +689,9 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(bridge="async"), "bridge="),
     (dict(bridge="per_step", tau=1.5), "tau=1.5"),
     (dict(bridge="per_step", tail_slots=0), "tail_slots=0"),
+    (dict(bridge="per_step", speculative=True, refresh="skip"), "refresh='skip'"),
+    (dict(bridge="per_step", refresh="merge"), "refresh='merge' applies"),
+    (dict(speculative=True, refresh="merge"), "refresh='merge' applies"),
     (dict(roar_heads="group"), "roar_heads="),
     (dict(bridge="per_step", lag=3), "lag=3"),
     (dict(lag=2), "lag=2 applies"),

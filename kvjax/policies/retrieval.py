@@ -200,6 +200,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     kvjax.prefetch_runtime).
   tail_slots: per_step only: buffer rows for stored tokens a head's latest search could not return
     (not indexed yet, or with `speculative` indexed after that search).
+  refresh: per_step `speculative` only: how a KV-head group that has not drifted is refreshed on
+    its turn in the rotation that folds in the tokens stored since its latest search (before its
+    tail slots fill): "search" (default) searches its index again with the current query;
+    "merge" scores those tokens against the query of its latest search and merges them into that
+    search's top-k, exactly and with no graph search, so a group searches again only when it
+    drifts below `tau` (kvjax.prefetch_runtime.PrefetchRuntime._merge_refresh).
   lag: per_step only: the rows used at step t were searched with the query of step t - lag.
     1: the host works between steps (critical path); 2: it works while the device computes
     the next step (hidden when it takes less than a step), with an older selection. 0: each
@@ -281,6 +287,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   implementation: str = "auto"
   bridge: str = "per_layer"
   tail_slots: int = 8
+  refresh: str = "search"
   lag: int = 1
   successors: int | None = None
   successor_sources: int = 8
@@ -297,8 +304,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
-                    "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "background_nice",
-                    "index_threads", "reserved_cores", "index_yields")
+                    "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "refresh",
+                    "background_nice", "index_threads", "reserved_cores", "index_yields")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -319,6 +326,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     checks.real(self.tau, "tau", low=0.0, high=1.0)
     if self.bridge not in BRIDGES:
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
+    if self.refresh not in prefetch_runtime.REFRESH_MODES:
+      raise ValueError(f"refresh={self.refresh!r}; expected one of {prefetch_runtime.REFRESH_MODES}")
+    if self.refresh != "search" and not (self.bridge == "per_step" and self.speculative):
+      raise ValueError(f"refresh={self.refresh!r} applies to bridge='per_step' with speculative=True")
     if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
@@ -439,7 +450,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               pinned=self.pinned_per_head, pinned_span=self.pinned_span,
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
-                                              reserved_cores=self.reserved_cores,
+                                              reserved_cores=self.reserved_cores, refresh=self.refresh,
                                               index_after_gather=self.lag < 2, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
