@@ -202,6 +202,9 @@ class PrefetchRuntime(HostRuntime):
     # ids [L, B, Hq, k], the tokens indexed when it ran [L, B, Hq] (it saw ids below that) and
     # the exchange it ran in [L, B, Hq].
     self._last_query = self._last_found = self._seen = self._searched_at = None
+    # refresh="merge": [L, B, Hq, k] float32, the scores of _last_found by _last_query as the latest
+    # merge left them (NaN until a head's first merge after its search).
+    self._found_scores = None
     self._exchanges = 0  # prefetch_step calls: the phase of the rotating refresh
 
   def close(self) -> None:
@@ -324,6 +327,7 @@ class PrefetchRuntime(HostRuntime):
       self._last_found = np.full((L, B, Hq, self.topk), -1, np.int64)
       self._seen = np.zeros((L, B, Hq), np.int64)
       self._searched_at = np.zeros((L, B, Hq), np.int64)
+      self._found_scores = np.full((L, B, Hq, self.topk), np.nan, np.float32)
     rows = layer_rows(layers)  # indexes [L, ...] arrays: a slice (views) where the layers are consecutive
     stored = lengths[:, rows].T  # [T, B]
     indexed = indexed_all[:, rows].T
@@ -333,6 +337,7 @@ class PrefetchRuntime(HostRuntime):
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])
+    self._found_scores[rows] = np.where(searched[..., None], np.nan, self._found_scores[rows])
     if merged.any():
       found = self._merge_refresh(layers, rows, found, merged, stored)
     self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])
@@ -501,33 +506,39 @@ class PrefetchRuntime(HostRuntime):
       stored,  # [T, B] int: store lengths
   ):
     """`found` with each merged head's row replaced by the top-k, by the query of its latest
-    search, of that search's top-k and every token stored since (the tokens its tail slots
-    hold): exact scores of at most k + tail_slots store rows a head, gathered in one C call.
+    search, of that top-k and every token stored since (the tokens its tail slots hold): exact
+    scores, the rows they need gathered in one C call (a head's top-k only at its first merge
+    after a search; later merges reuse their scores, `_found_scores`).
 
     Why: on their turn a group that has not drifted was searched again, ~0.2 ms of one core a
-    head at 128K (experiments/results/bench_op_costs_*): at the 128K benchmark's ~0.1 correction
-    rate most of a step's searches were these refreshes. Their purpose, folding the new tokens
-    in before the tail fills, needs only those tokens' scores. Merged by the search's own query,
-    so its drift is still measured from it and a drifted group is searched as before."""
+    head at 128K (experiments/results/bench_op_costs_*), and at the 128K benchmark's ~0.01
+    correction rate nearly all of a step's ~70 searches were these refreshes. Their purpose,
+    folding the new tokens in before the tail fills, needs only those tokens' scores. Merged by
+    the search's own query, so its drift is still measured from it, a drifted group is searched
+    as before, and its successors keep their age (the search's)."""
     t, b, h = np.nonzero(merged)  # R heads
+    k, G, B = self.topk, self.context.group, stored.shape[1]
     seen = self._seen[rows][t, b, h]
-    k, G, D = self.topk, self.context.group, self.context.head_dim
-    new = seen[:, None] + np.arange(self.tail_slots)  # [R, tail]: tokens stored since its search
+    new = seen[:, None] + np.arange(self.tail_slots)  # [R, tail]: the tokens stored since
     new = np.where(new < stored[t, b][:, None], new, -1)
-    candidates = np.concatenate([found[t, b, h], new], axis=1)  # [R, k + tail]; found ids < seen <= new ids
+    candidates = np.concatenate([found[t, b, h], new], axis=1)  # [R, n]; found ids < seen <= new ids
     n = candidates.shape[1]
-    B = stored.shape[1]
+    scores = np.full(candidates.shape, -np.inf, np.float32)
+    scores[:, :k] = self._found_scores[rows][t, b, h]  # NaN where not scored since the search
+    need = np.flatnonzero((candidates >= 0) & ~np.isfinite(scores))  # flat into [R, n]
     store = self.context.store
-    keys, _ = store.gather_rows_many([(seq, layer) for layer in layers for seq in range(B)],
-                                     np.repeat(t * B + b, n), np.repeat(h // G, n), candidates.reshape(-1),
-                                     threads=self.gather_threads)
-    keys = store.to_float32(keys).reshape(len(t), n, D)
-    scores = np.einsum("rnd,rd->rn", keys, self._last_query[rows][t, b, h])
+    keys, _ = store.gather_rows_many([(seq, layer) for layer in layers for seq in range(B)], (t * B + b)[need // n],
+                                     (h // G)[need // n], candidates.reshape(-1)[need], threads=self.gather_threads)
+    queries = self._last_query[rows][t, b, h]  # [R, D]
+    scores.reshape(-1)[need] = np.einsum("md,md->m", store.to_float32(keys), queries[need // n])
     scores = np.where(candidates >= 0, scores, -np.inf)
     best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties: the search's order, then the store's
-    ids = np.take_along_axis(candidates, best, axis=1)
+    top = np.take_along_axis(scores, best, axis=1)
     found = found.copy()
-    found[t, b, h] = np.where(np.take_along_axis(scores, best, axis=1) > -np.inf, ids, -1)
+    found[t, b, h] = np.where(top > -np.inf, np.take_along_axis(candidates, best, axis=1), -1)
+    cache = self._found_scores[rows]  # a view where rows is a slice, else a copy written back below
+    cache[t, b, h] = top
+    self._found_scores[rows] = cache
     return found
 
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]

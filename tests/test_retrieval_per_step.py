@@ -53,18 +53,18 @@ def test_equals_full_with_dense_and_local_layers(lag):
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_equals_full_with_host_layers_around_a_dense_one(lag):
+@pytest.mark.parametrize("lag, refresh", [(1, "search"), (2, "search"), (2, "merge")])
+def test_equals_full_with_host_layers_around_a_dense_one(lag, refresh):
   """Host layers 0 and 2 around dense layer 1: the exchange indexes its per-layer state with an
   array rather than a slice (prefetch_runtime.layer_rows); speculative, so the reuse bookkeeping
-  takes that path too."""
+  (and the merges' score cache) takes that path too."""
   assert layer_rows([1, 2, 3]) == slice(1, 4)
   np.testing.assert_array_equal(layer_rows([0, 2]), [0, 2])
   model = tiny_model("llama", num_layers=3)
   prompts = [random_prompt(53), random_prompt(21, seed=5)]
   full = run(model, prompts)
   sparse = run(model, prompts, index="flat", topk=500, lag=lag, speculative=True, tau=0.0, tail_slots=8,
-               dense_layers=(1,), **PER_STEP)
+               dense_layers=(1,), refresh=refresh, **PER_STEP)
   np.testing.assert_allclose(sparse.logits, full.logits, rtol=1e-4, atol=1e-4)
   assert sparse.policy_stats["speculated_groups"] > 0
 
@@ -502,12 +502,14 @@ def test_a_reused_search_moves_its_successors_on_by_its_age():
     runtime.close()
 
 
-def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query():
+@pytest.mark.parametrize("layers, num_layers", [([0, 1], 2), ([0, 2], 3)])
+def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query(layers, num_layers):
   """refresh="merge" with exact (flat) search and queries that never drift: after the first
   exchange no head searches again, yet each head's top-k stays the exact top-k, by the query of
-  its one search, of every token stored up to its latest merge, and its tail holds the rest."""
+  its one search, of every token stored up to its latest merge (scores of earlier merges reused),
+  and its tail holds the rest. Layers [0, 2]: the per-layer state indexed by an array."""
   rng = np.random.default_rng(11)
-  L, Hkv, n, D, topk = 2, 2, 30, 8, 4
+  L, Hkv, n, D, topk = num_layers, 2, 30, 8, 4
   keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
   runtime = _runtime(keys, values, topk=topk, tail_slots=4, speculative=True, tau=0.0, refresh="merge")
   Hq = 2 * Hkv
@@ -518,26 +520,26 @@ def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query():
   try:
     for step in range(9):
       evicted_k, evicted_v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
-      # strong new keys along the first query, so that merging must take them in
-      evicted_k[:, 0] += 3 * first_query[:, 0, ::2]
+      evicted_k[:, 0] += 3 * first_query[:, 0, ::2]  # strong new keys: merging must take them in
       position = runtime.sinks + n + step - 1  # the first exchange stores nothing
-      evicted_pos = np.array([[position], [position]]) if step else np.full((L, 1), -1)
+      evicted_pos = np.full((L, 1), position if step else -1)
       searched_before = runtime.stats.searched_heads
       merged_before = runtime.stats.refreshed_groups
-      runtime.prefetch_step([0, 1], queries + 0.01 * step, evicted_k, evicted_v,
+      runtime.prefetch_step(layers, queries + 0.01 * step, evicted_k, evicted_v,
                             rng.standard_normal((L, 1, Hq, D), dtype=np.float32), evicted_pos)
       if step:
-        stored_k = [np.concatenate([stored_k[layer], evicted_k[layer, 0][:, None]], axis=1) for layer in range(L)]
+        for layer in layers:
+          stored_k[layer] = np.concatenate([stored_k[layer], evicted_k[layer, 0][:, None]], axis=1)
         assert runtime.stats.searched_heads == searched_before  # no head searched again
         merges += runtime.stats.refreshed_groups - merged_before
-      for layer in range(L):
+      for layer in layers:
         for h in range(Hq):
           seen = int(runtime._seen[layer, 0, h])
           scores = stored_k[layer][h // 2, :seen] @ first_query[layer, 0, h]
           want = np.argsort(-scores, kind="stable")[:topk]
           np.testing.assert_array_equal(runtime._last_found[layer, 0, h], want)
           assert stored_k[layer].shape[1] - seen <= runtime.tail_slots
-    assert merges > 0 and runtime._last_found.max() >= n  # merged heads took in new tokens
+    assert merges > 0 and runtime._last_found[layers].max() >= n  # merged heads took in new tokens
   finally:
     runtime.close()
 
