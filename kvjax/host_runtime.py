@@ -76,6 +76,7 @@ class HostStats:
   callback_seconds: float = 0.0
   step_wait_seconds: float = 0.0  # bridge="per_step", lag 2: waiting for the background prefetch
   search_seconds: float = 0.0  # bridge="per_step": the step's searches (inside attend_seconds)
+  merge_seconds: float = 0.0  # bridge="per_step", refresh="merge": merging refreshed heads (inside search_seconds)
   gather_seconds: float = 0.0  # bridge="per_step": slot assignment + gathering entering rows (inside attend_seconds)
   transfer_seconds: float = 0.0  # bridge="per_step": copying the step's row update to the device (lag 2: off the critical path)
   transfer_bytes: int = 0  # bridge="per_step": host -> device bytes of those updates
@@ -88,7 +89,7 @@ class HostStats:
   searched_heads: int = 0
   speculated_groups: int = 0  # (seq, layer, kv head, step) served from the previous selection
   corrected_groups: int = 0  # ... corrected synchronously (query drifted below tau)
-  refreshed_groups: int = 0  # bridge="per_step": ... searched again only on their turn in the rotation
+  refreshed_groups: int = 0  # bridge="per_step": ... refreshed (searched or merged) only on their turn in the rotation
   # Ids a step used from an older search that the step's own search returns too. per_layer: over
   # the heads that reused; per_step: over the heads that searched at the next exchange (a group
   # that keeps its search has no fresh result to score against), so drifted groups weigh in more.

@@ -339,7 +339,9 @@ class PrefetchRuntime(HostRuntime):
     found = np.where(searched[..., None], found, self._last_found[rows])
     self._found_scores[rows] = np.where(searched[..., None], np.nan, self._found_scores[rows])
     if merged.any():
+      t_merge = time.perf_counter()
       found = self._merge_refresh(layers, rows, found, merged, stored)
+      self.stats.merge_seconds += time.perf_counter() - t_merge
     self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])
     self._last_found[rows] = found
     self._seen[rows] = np.where(searched, indexed[..., None], np.where(merged, stored[..., None], self._seen[rows]))

@@ -540,6 +540,7 @@ def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query(layers, 
           np.testing.assert_array_equal(runtime._last_found[layer, 0, h], want)
           assert stored_k[layer].shape[1] - seen <= runtime.tail_slots
     assert merges > 0 and runtime._last_found[layers].max() >= n  # merged heads took in new tokens
+    assert 0 < runtime.stats.merge_seconds <= runtime.stats.search_seconds
   finally:
     runtime.close()
 
