@@ -31,6 +31,7 @@ POLICY_FLAGS = {
     "pinned": "pinned",
     "pinned_span": "pinned_span",
     "pinned_window": "pinned_window",
+    "refresh": "refresh",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -81,6 +82,9 @@ def define_flags() -> None:
                        "(default 16).")
   flags.DEFINE_integer("pinned_window", None, "retrieval per_step bridge: the last prompt queries whose summed "
                        "attention chooses the pinned ids (default 32, at most the window; 1: the last query's search).")
+  flags.DEFINE_enum("refresh", None, ["search", "merge"], "retrieval per_step --speculative: a group whose query "
+                    "has not drifted is refreshed on its turn by searching again (default) or by merging the tokens "
+                    "stored since into its top-k, scored with the query of its latest search (no graph search).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

@@ -60,7 +60,8 @@ def test_bad_flag_values_fail_before_any_work(tmp_path):
            (["--max_new_tokens=0"], "--max_new_tokens=0 must be >= 1"),
            (["--prefill_chunk=0"], "--prefill_chunk=0 must be >= 1"),
            (["--policy=quest", "--budget=10"], "budget=10 is smaller than the sinks"),
-           (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers")]
+           (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers"),
+           (["--policy=retrieval", "--refresh=merge"], "refresh='merge' applies to bridge='per_step' with speculative")]
   for flags, message in cases:
     bad = decode("--model=random:tiny", *flags, timeout=300)
     assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
