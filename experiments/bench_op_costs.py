@@ -101,7 +101,6 @@ def step_costs(ctx, threads: int, rng) -> dict:
     t0 = time.perf_counter()
     ctx.index_stored([0] * L, layers, queries=own_query, threads=threads)
     insert.append(time.perf_counter() - t0)
-  search_s, insert_s = float(np.median(search)), float(np.median(insert))
   return dict(keys=ctx.store.length(0, 0), layers=L, threads=threads, step_searches=round(FLAGS.searched_share * L * Hq),
               step_search_ms=round(1e3 * float(np.median(search)), 3), step_inserts=L * Hkv,
               step_insert_ms=round(1e3 * float(np.median(insert)), 3))
@@ -118,8 +117,9 @@ def main(argv):
            "roar's decode insert: a key search and an own-query search at ef_insert), divided by the graphs. Random "
            "vectors (the synthetic benchmarks' case), roar per KV head, bfloat16 store.")
   if FLAGS.threads:
-    notes += (" Rows with step_* fields: one call searching every query head of every layer (step_searches) and one "
-              "inserting a token into every layer's graphs (step_inserts) on `threads` threads, medians of "
+    notes += (f" Rows with step_* fields: one call searching a random {FLAGS.searched_share:.0%} of every layer's KV-head "
+              "groups (step_searches query heads on average, a new draw each call) and one inserting a token into "
+              "every layer's graphs (step_inserts) on `threads` threads, medians of "
               f"{FLAGS.repeats}; efficiency = the one-thread call's time / (threads x this time). "
               "Nothing else runs beside them (in decode the device's launching thread and the other phases do).")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)

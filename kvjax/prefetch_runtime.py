@@ -337,7 +337,8 @@ class PrefetchRuntime(HostRuntime):
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])
-    self._found_scores[rows] = np.where(searched[..., None], np.nan, self._found_scores[rows])
+    if self.refresh == "merge":  # a search's top-k is scored again at its first merge
+      self._found_scores[rows] = np.where(searched[..., None], np.nan, self._found_scores[rows])
     if merged.any():
       t_merge = time.perf_counter()
       found = self._merge_refresh(layers, rows, found, merged, stored)
