@@ -337,15 +337,16 @@ class PrefetchRuntime(HostRuntime):
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])
-    if self.refresh == "merge":  # a search's top-k is scored again at its first merge
-      self._found_scores[rows] = np.where(searched[..., None], np.nan, self._found_scores[rows])
+    if self.refresh == "merge":  # a new search's top-k is scored at its first merge
+      t, b, h = np.nonzero(searched)
+      self._found_scores[np.asarray(layers)[t], b, h] = np.nan
     if merged.any():
       t_merge = time.perf_counter()
-      found = self._merge_refresh(layers, rows, found, merged, stored)
+      found = self._merge_refresh(layers, found, merged, stored)
       self.stats.merge_seconds += time.perf_counter() - t_merge
     self._last_query[rows] = np.where(searched[..., None], queries[rows], self._last_query[rows])
     self._last_found[rows] = found
-    self._seen[rows] = np.where(searched, indexed[..., None], np.where(merged, stored[..., None], self._seen[rows]))
+    self._seen[rows] = np.where(searched, indexed[..., None], self._seen[rows])
     self._searched_at[rows] = np.where(searched, self._exchanges, self._searched_at[rows])
     t3 = time.perf_counter()
     self.stats.search_seconds += t3 - t2
@@ -503,7 +504,6 @@ class PrefetchRuntime(HostRuntime):
   def _merge_refresh(
       self,
       layers,
-      rows,  # layer_rows(layers)
       found,  # [T, B, Hq, k] int64: each head's latest top-k, best first
       merged,  # [T, B, Hq] bool: the heads to refresh by merging
       stored,  # [T, B] int: store lengths
@@ -511,7 +511,8 @@ class PrefetchRuntime(HostRuntime):
     """`found` with each merged head's row replaced by the top-k, by the query of its latest
     search, of that top-k and every token stored since (the tokens its tail slots hold): exact
     scores, the rows they need gathered in one C call (a head's top-k only at its first merge
-    after a search; later merges reuse their scores, `_found_scores`).
+    after a search; later merges reuse their scores, `_found_scores`). Advances the merged
+    heads' `_seen` to the store's length.
 
     Why: on their turn a group that has not drifted was searched again, ~0.2 ms of one core a
     head at 128K (experiments/results/bench_op_costs_*), and at the 128K benchmark's ~0.01
@@ -520,28 +521,28 @@ class PrefetchRuntime(HostRuntime):
     the search's own query, so its drift is still measured from it, a drifted group is searched
     as before, and its successors keep their age (the search's)."""
     t, b, h = np.nonzero(merged)  # R heads
+    at = (np.asarray(layers)[t], b, h)  # their index into the [L, B, Hq, ...] state
     k, G, B = self.topk, self.context.group, stored.shape[1]
-    seen = self._seen[rows][t, b, h]
-    new = seen[:, None] + np.arange(self.tail_slots)  # [R, tail]: the tokens stored since
+    seen = self._seen[at]
+    # [R, tail]: the tokens stored since (at most tail_slots: a group with more is searched, _heads_to_search)
+    new = seen[:, None] + np.arange(self.tail_slots)
     new = np.where(new < stored[t, b][:, None], new, -1)
     candidates = np.concatenate([found[t, b, h], new], axis=1)  # [R, n]; found ids < seen <= new ids
     n = candidates.shape[1]
     scores = np.full(candidates.shape, -np.inf, np.float32)
-    scores[:, :k] = self._found_scores[rows][t, b, h]  # NaN where not scored since the search
+    scores[:, :k] = self._found_scores[at]  # NaN where not scored since the search
     need = np.flatnonzero((candidates >= 0) & ~np.isfinite(scores))  # flat into [R, n]
     store = self.context.store
     keys, _ = store.gather_rows_many([(seq, layer) for layer in layers for seq in range(B)], (t * B + b)[need // n],
                                      (h // G)[need // n], candidates.reshape(-1)[need], threads=self.gather_threads)
-    queries = self._last_query[rows][t, b, h]  # [R, D]
-    scores.reshape(-1)[need] = np.einsum("md,md->m", store.to_float32(keys), queries[need // n])
-    scores = np.where(candidates >= 0, scores, -np.inf)
+    scores.reshape(-1)[need] = np.einsum("md,md->m", store.to_float32(keys), self._last_query[at][need // n])
+    scores = np.where(candidates >= 0, scores, -np.inf)  # found ids -1 kept NaN above
     best = np.argsort(-scores, axis=1, kind="stable")[:, :k]  # ties: the search's order, then the store's
     top = np.take_along_axis(scores, best, axis=1)
     found = found.copy()
     found[t, b, h] = np.where(top > -np.inf, np.take_along_axis(candidates, best, axis=1), -1)
-    cache = self._found_scores[rows]  # a view where rows is a slice, else a copy written back below
-    cache[t, b, h] = top
-    self._found_scores[rows] = cache
+    self._found_scores[at] = top
+    self._seen[at] = stored[t, b]
     return found
 
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]

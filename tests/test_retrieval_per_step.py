@@ -504,38 +504,44 @@ def test_a_reused_search_moves_its_successors_on_by_its_age():
 
 @pytest.mark.parametrize("layers, num_layers", [([0, 1], 2), ([0, 2], 3)])
 def test_merge_refresh_keeps_the_exact_top_k_of_the_latest_search_query(layers, num_layers):
-  """refresh="merge" with exact (flat) search and queries that never drift: after the first
-  exchange no head searches again, yet each head's top-k stays the exact top-k, by the query of
-  its one search, of every token stored up to its latest merge (scores of earlier merges reused),
-  and its tail holds the rest. Layers [0, 2]: the per-layer state indexed by an array."""
+  """refresh="merge" with exact (flat) search: while queries do not drift no head searches again,
+  yet each head's top-k stays the exact top-k, by the query of its latest search, of every token
+  stored up to its latest merge (scores of earlier merges reused), and its tail holds the rest.
+  At step 5 the queries turn around (cosine -1 < tau 0): every head searches, none merges, and the
+  merges after it must score the new search's top-k afresh. Layers [0, 2]: the per-layer state
+  indexed by an array."""
   rng = np.random.default_rng(11)
   L, Hkv, n, D, topk = num_layers, 2, 30, 8, 4
   keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
   runtime = _runtime(keys, values, topk=topk, tail_slots=4, speculative=True, tau=0.0, refresh="merge")
   Hq = 2 * Hkv
   queries = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
-  first_query = queries.copy()
+  search_query = queries.copy()  # the query of every head's latest search
   stored_k = [np.array(keys[layer]) for layer in range(L)]  # [Hkv, n, D] per layer, grown below
   merges = 0
   try:
     for step in range(9):
       evicted_k, evicted_v = rng.standard_normal((2, L, 1, Hkv, D), dtype=np.float32)
-      evicted_k[:, 0] += 3 * first_query[:, 0, ::2]  # strong new keys: merging must take them in
+      step_query = (-1 if step >= 5 else 1) * (queries + 0.01 * step)
+      if step == 5:
+        search_query = step_query
+      evicted_k[:, 0] += 3 * search_query[:, 0, ::2]  # strong new keys: merging must take them in
       position = runtime.sinks + n + step - 1  # the first exchange stores nothing
       evicted_pos = np.full((L, 1), position if step else -1)
       searched_before = runtime.stats.searched_heads
       merged_before = runtime.stats.refreshed_groups
-      runtime.prefetch_step(layers, queries + 0.01 * step, evicted_k, evicted_v,
+      runtime.prefetch_step(layers, step_query, evicted_k, evicted_v,
                             rng.standard_normal((L, 1, Hq, D), dtype=np.float32), evicted_pos)
       if step:
         for layer in layers:
           stored_k[layer] = np.concatenate([stored_k[layer], evicted_k[layer, 0][:, None]], axis=1)
-        assert runtime.stats.searched_heads == searched_before  # no head searched again
-        merges += runtime.stats.refreshed_groups - merged_before
+        searched_now = runtime.stats.searched_heads - searched_before
+        assert searched_now == (len(layers) * Hq if step == 5 else 0)  # only the turn searches again
+        merges += runtime.stats.refreshed_groups - merged_before if step > 5 else 0
       for layer in layers:
         for h in range(Hq):
           seen = int(runtime._seen[layer, 0, h])
-          scores = stored_k[layer][h // 2, :seen] @ first_query[layer, 0, h]
+          scores = stored_k[layer][h // 2, :seen] @ search_query[layer, 0, h]
           want = np.argsort(-scores, kind="stable")[:topk]
           np.testing.assert_array_equal(runtime._last_found[layer, 0, h], want)
           assert stored_k[layer].shape[1] - seen <= runtime.tail_slots
