@@ -30,6 +30,7 @@ from absl import app, flags
 import host_index
 from gil_probe import GilProbe
 from kvjax.host_runtime import available_cores
+from kvjax.policies.retrieval import RetrievalAttention
 from kvjax.prefetch_runtime import PrefetchRuntime, slot_stores
 import results_io
 
@@ -54,6 +55,9 @@ flags.DEFINE_float("tau", None, "Speculative reuse (retrieval per_step, speculat
                    "head searches every step.")
 flags.DEFINE_enum("refresh", "search", ["search", "merge"], "With --tau: how a group that has not drifted is "
                   "refreshed on its turn (retrieval per_step's `refresh`).")
+flags.DEFINE_integer("tail_slots", RetrievalAttention.tail_slots, "Rows per query head for stored tokens its "
+                     "latest search missed; with --tau a group is refreshed every tail_slots / 2 steps (retrieval "
+                     "per_step's `tail_slots`).")
 flags.DEFINE_integer("successors", 0, "Tokens following each retrieved one added to the selection (retrieval "
                      "per_step's `successors`, whose default there is twice its lag).")
 flags.DEFINE_integer("successor_sources", 8, "How many of each head's best retrieved ids get successors.")
@@ -87,7 +91,7 @@ def build_runtime(rng) -> PrefetchRuntime:
     # or index growth inside a step.
     context.reserve(0, layer, n + 2 + 2 * FLAGS.steps + FLAGS.gil_probe_steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau, refresh=FLAGS.refresh)
-  runtime = PrefetchRuntime(context, tail_slots=8, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
+  runtime = PrefetchRuntime(context, tail_slots=FLAGS.tail_slots, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
                             successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
                             pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span, index_yields=FLAGS.index_yields,
                             **speculation)  # as retrieval's per_step runtime

@@ -64,13 +64,14 @@ POLICIES = {
     # host threads at the caller's priority (background_nice 0), as before 2026-12-03: what
     # lowering them (the default, 10) gains, side by side (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_nice0": ("retrieval", _STEP_SPEC | {"background_nice": 0}),
-    # 32 tail slots (default 8): each KV-head group is refreshed every 16 steps instead of every 4
+    # 32 tail slots (default 16, 8 before 2026-12-06): each KV-head group is refreshed every 16 steps
     # when its query does not drift, so fewer groups search each step (a decode option, like _s0)
     "retrieval_step_lag2_kv_spec_t32": ("retrieval", _STEP_SPEC | {"tail_slots": 32}),
-    # 16 tail slots: a group not drifting is refreshed every 8 steps instead of 4, halving the ~65
-    # refresh searches of the ~74 a 128K step makes (bench_scale_smollm2shapes_synthetic_128k_rounds),
-    # now that the gather no longer dominates the exchange as when _t32 was tried; with 2 cores reserved too
+    # 16 tail slots (the default since 2026-12-06, named for runs before): a group not drifting is
+    # refreshed every 8 steps instead of 4, halving the ~65 refresh searches of the ~74 a 128K step
+    # made at 8 (bench_scale_smollm2shapes_synthetic_128k_rounds); _t8: the old default, side by side
     "retrieval_step_lag2_kv_spec_t16": ("retrieval", _STEP_SPEC | {"tail_slots": 16}),
+    "retrieval_step_lag2_kv_spec_t8": ("retrieval", _STEP_SPEC | {"tail_slots": 8}),
     "retrieval_step_lag2_kv_spec_r2_t16": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "tail_slots": 16}),
     # refreshes by merging the new tokens into a group's top-k instead of searching again (the ~65
     # refresh searches of a 128K step's ~74 become exact scores of ~8 rows a head); with 2 cores reserved too

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from kvjax.policies.retrieval import RetrievalAttention
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,10 +38,11 @@ def test_roar_per_kv_head_with_a_yielding_indexing(tmp_path):
   assert rows[False]["index_yield_ms"] == 0
 
 
-def test_pinned_spans_take_their_slots(tmp_path):
+def test_pinned_spans_and_tail_slots_take_their_slots(tmp_path):
   # (without the GIL probe's steps: compare_gathers then read an update whose buffers later steps had reused)
-  pinned = run_bench(tmp_path, "pinned", "--steps=4", "--pinned=2", "--pinned_span=3", "--gil_probe_steps=0")["rows"][0]
-  assert pinned["pinned"] == 2 and pinned["slots"] == 2 * 4 * (10 + 8 + 2 * 3)  # topk + tail + spans
+  pinned = run_bench(tmp_path, "pinned", "--steps=4", "--pinned=2", "--pinned_span=3", "--tail_slots=5",
+                     "--gil_probe_steps=0")["rows"][0]
+  assert pinned["pinned"] == 2 and pinned["slots"] == 2 * 4 * (10 + 5 + 2 * 3)  # topk + tail + spans
 
 
 def test_bench_prefetch_small(tmp_path):
@@ -50,7 +53,7 @@ def test_bench_prefetch_small(tmp_path):
   assert step["gil_wait_ms_per_step"] >= step["gil_long_wait_ms_per_step"] >= 0
   assert compare["kind"] == "gather_compare" and compare["rows"] > 0 and compare["stores"] == 2
   assert compare["per_store_ms"] > 0 and compare["one_call_ms"] > 0
-  assert step["kind"] == "prefetch_step" and step["slots"] == 2 * 4 * (10 + 8)
+  assert step["kind"] == "prefetch_step" and step["slots"] == 2 * 4 * (10 + RetrievalAttention.tail_slots)  # top-k + the default tail
   assert 0 < step["shipped_rows"] <= step["slots"]  # queries drift: some rows enter, never more than all
   assert step["total_ms"] >= step["search_ms"] > 0
   assert step["update_bytes"] >= step["shipped_rows"] * (8 + 2 * 16 * 2)  # bf16 rows + dest + id, padded

@@ -691,7 +691,7 @@ def test_pinned_default_follows_the_bridge_and_topk():
   policy = RetrievalAttention(bridge="per_step", topk=6)
   assert dataclasses.replace(policy, topk=9).pinned_per_head == 9
   assert "+6 spans of 16 tokens" in policy.describe()
-  assert policy.slots_per_head == 6 + 6 * 2 + 8 + 6 * 16  # top-k, successors, tail slots, pinned spans
+  assert policy.slots_per_head == 6 + 6 * 2 + 16 + 6 * 16  # top-k, successors, tail slots, pinned spans
 
 
 @pytest.mark.parametrize("options, message", [

@@ -199,7 +199,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     the selection of a previous step's query, no synchronous correction; see
     kvjax.prefetch_runtime).
   tail_slots: per_step only: buffer rows for stored tokens a head's latest search could not return
-    (not indexed yet, or with `speculative` indexed after that search).
+    (not indexed yet, or with `speculative` indexed after that search); with `speculative` a
+    group that does not drift is refreshed every tail_slots / 2 steps. 16 (8 until 2026-12-06):
+    about 0.85x the time a token of 8 at 128K (SmolLM2 shapes, H100) and the same accuracy
+    within a sample or two (Qwen2.5 niah_multiquery / niah_multivalue at 32K, SmolLM2
+    niah_single_3 at 4K; experiments/results/*tail16*).
   refresh: per_step `speculative` only: how a KV-head group that has not drifted is refreshed on
     its turn in the rotation that folds in the tokens stored since its latest search (before its
     tail slots fill): "search" (default) searches its index again with the current query;
@@ -290,7 +294,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   tau: float = 0.8
   implementation: str = "auto"
   bridge: str = "per_layer"
-  tail_slots: int = 8
+  tail_slots: int = 16
   refresh: str = "search"
   lag: int = 1
   successors: int | None = None
