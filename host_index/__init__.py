@@ -12,6 +12,7 @@ Public API:
   count_common(a, b)                          per row, ids of a found in b
   select_slots(held, layers, found, ...)      assign_slots of rows composed from search results
   key_neighbours(keys, count)                 each key's nearest keys (roar's connect candidates)
+  topk_rows(scores, k)                        each row's k largest scores' columns (exact, threaded)
   HostContext                                 store + per-(seq, layer, head) indexes:
                                               build_layer, reserve, insert / insert_many, attend,
                                               search, attend_ids, fetch_pages, save / load
@@ -58,6 +59,7 @@ from host_index._slots import count_common
 from host_index._slots import select_slots
 from host_index._store import KVStore
 from host_index._store import StoreFullError
+from host_index._topk import topk_rows
 from host_index.neighbours import key_neighbours
 
 __all__ = [
@@ -72,4 +74,5 @@ __all__ = [
     "count_common",
     "key_neighbours",
     "select_slots",
+    "topk_rows",
 ]

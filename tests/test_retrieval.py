@@ -311,14 +311,15 @@ def test_worker_threads_stay_off_the_reserved_cores():
 
 
 def test_cpu_training_topk_equals_the_device_op():
-  """roar's training links on a CPU backend (NumPy, blocks of queries) are ops.exact_topk's."""
+  """roar's training links on a CPU backend (BLAS scores of blocks of queries, host_index.topk_rows)
+  are ops.exact_topk's."""
   import ops
   from kvjax.policies.retrieval import _train_topk
 
   rng = np.random.default_rng(0)
   queries = rng.standard_normal((6, 70, 16)).astype(np.float32)
   keys = rng.standard_normal((2, 45, 16)).astype(np.float32)
-  got = _train_topk(queries, keys, 9, block=32)  # three query blocks, the last partial
+  got = _train_topk(queries, keys, 9, block_scores=32 * 45)  # three blocks of 32 queries, the last partial
   want = np.asarray(ops.exact_topk(jnp.asarray(queries), jnp.asarray(keys), 9)[1])
   assert got.dtype == np.int32 and got.shape == (6, 70, 9)
   np.testing.assert_array_equal(got, want)
@@ -332,7 +333,7 @@ def test_device_training_topk_pads_to_shared_sizes_without_changing_a_link(monke
   queries[:, ::2] = -np.abs(queries[:, ::2])  # every score below a zero (padding) key's
   keys = (np.abs(rng.standard_normal((2, 45, 16))) + 0.1).astype(np.float32)
   assert retrieval._bucket(70) > 70 and retrieval._bucket(45) > 45
-  want = retrieval._train_topk(queries, keys, 9)  # NumPy, unpadded
+  want = retrieval._train_topk(queries, keys, 9)  # the CPU path, unpadded
   monkeypatch.setattr(retrieval.jax, "default_backend", lambda: "gpu")  # the accelerator path, padded
   got = retrieval._train_topk(jnp.asarray(queries), jnp.asarray(keys), 9)
   assert got.shape == (6, 70, 9)

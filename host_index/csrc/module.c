@@ -15,6 +15,7 @@
 #include "hi_index.h"
 #include "hi_kernels.h"
 #include "hi_slots.h"
+#include "hi_topk.h"
 
 #define RAW16_REFUSED \
   "dtype raw16 holds opaque 16-bit words: no search, attention or conversion reads it"
@@ -983,6 +984,31 @@ static PyObject *py_count_common(PyObject *mod, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* topk_rows(scores, R, N, k, ids, threads): scores [R, N] float32, ids [R, k] int64 out. */
+static PyObject *py_topk_rows(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *so, *io;
+  Py_ssize_t R, N, k;
+  int threads;
+  if (!PyArg_ParseTuple(args, "OnnnOi", &so, &R, &N, &k, &io, &threads)) return NULL;
+  if (R < 0 || k < 0 || k > N || N > INT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "topk_rows: bad sizes");
+    return NULL;
+  }
+  Py_buffer b[2];
+  PyObject *objs[2] = {so, io};
+  const Py_ssize_t need[2] = {mul3(R, N, 4), mul3(R, k, 8)};
+  const int nb = get_bufs(objs, need, 2, 1, b, "topk_rows");
+  int err = HI_OK;
+  if (nb == 2) {
+    Py_BEGIN_ALLOW_THREADS err = hi_topk_rows(b[0].buf, R, N, k, b[1].buf, threads);
+    Py_END_ALLOW_THREADS
+  }
+  for (int i = 0; i < nb; i++) PyBuffer_Release(&b[i]);
+  if (nb < 2 || raise_err(err) < 0) return NULL;
+  Py_RETURN_NONE;
+}
+
 /* select_slots(held, held_rows, S, layers, T, B, H, stored, found, k, seen, tail, age|None,
  *              sources, successors, pins|None, pinned, span, score|None, used|None, n_used,
  *              retrieved|None, dest, ids, src, threads) -> (count, hits, total): the
@@ -1098,6 +1124,7 @@ static PyMethodDef module_methods[] = {
     {"assign_slots", py_assign_slots, METH_VARARGS, "Slot writes from held to wanted ids, per row."},
     {"count_common", py_count_common, METH_VARARGS, "Per row, entries of a found in b."},
     {"select_slots", py_select_slots, METH_VARARGS, "Compose rows' wanted ids, assign them slots."},
+    {"topk_rows", py_topk_rows, METH_VARARGS, "Each row's k largest scores' columns, best first."},
     {"foreground_enter", py_foreground_enter, METH_NOARGS, "A foreground call starts (hi_gate.h)."},
     {"foreground_exit", py_foreground_exit, METH_NOARGS, "A foreground call ends (hi_gate.h)."},
     {NULL, NULL, 0, NULL}};
