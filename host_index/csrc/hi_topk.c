@@ -1,9 +1,10 @@
 /* hi_topk_rows: each row scanned once against a threshold, candidates kept in a small buffer.
  *
- * A bounded heap took ~4.5 ns a score for rows of 8,000 scores and k = 100 (the ~440
- * replacements a random row makes each cost a sift-down); this buffer takes every score above
- * the k-th best kept so far in O(1) and, when full, keeps its best k (a quickselect): the scan,
- * 16 scores a test, is most of the time. */
+ * A score enters the buffer only if it beats the k-th best kept so far (one test per 16 scores
+ * passes most of a row); a full buffer keeps its best k (a quickselect), and the k found are
+ * sorted at the end. On one dev-box core (k = 100): 33 us a row of 8,000 scores, 58 us a row of
+ * 32,000, so ~1 ns a scanned score plus ~25 us a row for the buffer's selections and the sort
+ * (a bounded heap, which sifts down at every entry, took 36 us a row of 8,000). */
 #define _POSIX_C_SOURCE 200809L
 #include "hi_topk.h"
 
