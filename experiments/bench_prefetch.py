@@ -91,8 +91,8 @@ def build_runtime(rng) -> PrefetchRuntime:
     # or index growth inside a step.
     context.reserve(0, layer, n + 2 + 2 * FLAGS.steps + FLAGS.gil_probe_steps + 8)
   speculation = {} if FLAGS.tau is None else dict(speculative=True, tau=FLAGS.tau, refresh=FLAGS.refresh)
-  runtime = PrefetchRuntime(context, tail_slots=FLAGS.tail_slots, sinks=0, window=1, topk=FLAGS.topk, ef=None, scale=D**-0.5,
-                            successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
+  runtime = PrefetchRuntime(context, tail_slots=FLAGS.tail_slots, sinks=0, window=1, topk=FLAGS.topk, ef=None,
+                            scale=D**-0.5, successors=FLAGS.successors, successor_sources=FLAGS.successor_sources,
                             pinned=FLAGS.pinned, pinned_span=FLAGS.pinned_span, index_yields=FLAGS.index_yields,
                             **speculation)  # as retrieval's per_step runtime
   runtime.buffers.reuse = FLAGS.reuse_buffers

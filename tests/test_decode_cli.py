@@ -61,7 +61,8 @@ def test_bad_flag_values_fail_before_any_work(tmp_path):
            (["--prefill_chunk=0"], "--prefill_chunk=0 must be >= 1"),
            (["--policy=quest", "--budget=10"], "budget=10 is smaller than the sinks"),
            (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers"),
-           (["--policy=retrieval", "--refresh=merge"], "refresh='merge' applies to bridge='per_step' with speculative")]
+           (["--policy=retrieval", "--refresh=merge"], "refresh='merge' applies to bridge='per_step' with speculative"),
+           (["--policy=retrieval", "--bridge=per_step", "--tail_slots=0"], "tail_slots=0")]
   for flags, message in cases:
     bad = decode("--model=random:tiny", *flags, timeout=300)
     assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
