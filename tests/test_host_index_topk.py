@@ -21,10 +21,11 @@ def test_matches_numpy_on_distinct_scores(R, N, k, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_ties_go_to_the_lower_column(threads):
-  # Few distinct values: most of each row's top k ties with the k-th, across the heap's boundary.
+@pytest.mark.parametrize("N", [500, 2000])  # 32 blocks of 16 scores (fewer than k: no bound), 125 (a bound)
+def test_ties_go_to_the_lower_column(threads, N):
+  # Few distinct values: most of each row's top k ties with the k-th, and with the bound.
   rng = np.random.default_rng(1)
-  scores = rng.integers(-3, 3, size=(50, 500)).astype(np.float32)
+  scores = rng.integers(-3, 3, size=(50, N)).astype(np.float32)
   scores[7] = 1.0  # one row all equal: its first k columns
   got = host_index.topk_rows(scores, 40, threads=threads)
   np.testing.assert_array_equal(got, topk_reference(scores, 40))
