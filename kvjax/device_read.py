@@ -9,6 +9,13 @@ experiments/results/bench_scale_smollm2shapes_synthetic_128k_select_after.md): d
 between two steps. Here a jitted concatenation of the arrays' bytes (a small kernel after the
 step) makes them one array, copied once and split into NumPy views: 0.54-1.1 ms a step on the
 H100 hosts at 128K (bench_scale_smollm2shapes_synthetic_128k_rounds.md, ..._passive.md).
+
+`start_reading` splits that read in two so that it leaves the device-idle time between steps:
+called right after a step is dispatched, it queues the concatenation behind the step and starts
+the copy to the host (`copy_to_host_async`), which then runs as soon as the step ends, while the
+main thread still waits for the step's token; `PendingRead.result()` after the step only waits
+for what is left of that copy. (Reads after the next dispatch are no option: the next step
+donates these buffers.)
 """
 
 from __future__ import annotations
@@ -42,28 +49,74 @@ def _one_device(arrays) -> bool:
   return len(devices) == 1
 
 
-def read_together(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
-  """The arrays as NumPy arrays (same shapes and dtypes), copied in one transfer: views of one
-  buffer, not to be written to.
+class PendingRead:
+  """A read started by `start_reading`: `result()` gives the arrays as NumPy arrays (same shapes and
+  dtypes; views of one buffer when they were packed, not to be written to)."""
 
-  Arrays on several devices (a sharded state) are read with `jax.device_get` instead."""
+  def __init__(self, sources: tuple, packed: jax.Array | None, order: tuple[int, ...]):
+    self._sources = sources  # the arrays read, for `reads`
+    self._packed = packed  # [nbytes] uint8, its copy to the host started; None: read one by one
+    self._order = order
+    self._result: list[np.ndarray] | None = None
+
+  def reads(self, arrays: Sequence) -> bool:
+    """Whether this read, not yet finished, is of exactly these arrays (the same objects, in order)."""
+    arrays = tuple(arrays)
+    return len(arrays) == len(self._sources) and all(a is b for a, b in zip(arrays, self._sources))
+
+  def result(self) -> list[np.ndarray]:
+    """Waits for the copy (once; later calls return the same arrays)."""
+    if self._result is None:
+      self._result = self._finish()
+      self._sources = ()  # the next step donates them
+    return self._result
+
+  def _finish(self) -> list[np.ndarray]:
+    if self._packed is None:
+      return [np.asarray(x) for x in jax.device_get(self._sources)] if self._sources else []
+    packed = np.asarray(self._packed)
+    out: list[np.ndarray | None] = [None] * len(self._sources)
+    offset = 0
+    for i in self._order:
+      x = self._sources[i]
+      nbytes = math.prod(x.shape) * x.dtype.itemsize
+      out[i] = packed[offset:offset + nbytes].view(np.dtype(x.dtype)).reshape(x.shape)
+      offset += nbytes
+    return out
+
+
+def start_reading(arrays: Sequence[jax.Array]) -> PendingRead:
+  """Starts reading the arrays to the host in one transfer (asynchronous: their computation may
+  still be running) and returns the read; `.result()` waits for it.
+
+  Arrays on several devices (a sharded state), or values that are not device arrays, are read
+  with `jax.device_get` when the result is asked for."""
   arrays = tuple(arrays)
-  if not arrays:
-    return []
-  if not _one_device(arrays):
-    return [np.asarray(x) for x in jax.device_get(arrays)]
+  if not arrays or not _one_device(arrays):
+    return PendingRead(arrays, None, ())
+  sources = arrays
   # Committed or not, one compiled read serves both (jit's cache tells them apart).
   if not all(x.committed for x in arrays):
     arrays = jax.device_put(arrays, next(iter(arrays[0].devices())))
   # Widest items first: every part starts at a multiple of its item size (aligned views).
   order = tuple(sorted(range(len(arrays)), key=lambda i: -arrays[i].dtype.itemsize))
-  packed = np.asarray(_pack(arrays, order))
-  out: list[np.ndarray | None] = [None] * len(arrays)
-  offset = 0
-  for i in order:
-    x = arrays[i]
-    nbytes = math.prod(x.shape) * x.dtype.itemsize
-    part = packed[offset:offset + nbytes]
-    out[i] = part.view(np.dtype(x.dtype)).reshape(x.shape)
-    offset += nbytes
-  return out
+  packed = _pack(arrays, order)
+  packed.copy_to_host_async()
+  return PendingRead(sources, packed, order)
+
+
+def read_together(arrays: Sequence[jax.Array]) -> list[np.ndarray]:
+  """The arrays as NumPy arrays (same shapes and dtypes), copied in one transfer: views of one
+  buffer, not to be written to.
+
+  Arrays on several devices (a sharded state) are read with `jax.device_get` instead."""
+  return start_reading(arrays).result()
+
+
+def finish_reading(started: PendingRead | None, arrays: Sequence[jax.Array]) -> list[np.ndarray]:
+  """`read_together(arrays)`, through `started` when given: start_reading's read of these arrays."""
+  if started is None:
+    return read_together(arrays)
+  if not started.reads(arrays):
+    raise ValueError("started is not a read of these arrays (start_reading of the same objects, not yet finished)")
+  return started.result()

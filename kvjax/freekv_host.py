@@ -64,9 +64,9 @@ class FreeKVStats:
       longest wait for one: a mean over the steps hides a few slow ones.
     completed_pages: per_step: fetched pages whose last token was written from the step's
       evicted rows (the store appends it after the fetch).
-    rows_seconds, land_seconds: per_step, the decode loop's own part of `after_step`: reading
-      the step's outputs for the host (`jax.device_get`) and landing the previous update
-      (dispatching the scatter and the slot listing).
+    rows_seconds, land_seconds: per_step, the decode loop's own part of `after_step`: finishing
+      the read of the step's outputs for the host (kvjax.device_read; begun as the step was
+      dispatched) and landing the previous update (dispatching the scatter and the slot listing).
   """
 
   callbacks: int = 0

@@ -81,7 +81,7 @@ class HostStats:
   transfer_seconds: float = 0.0  # bridge="per_step": copying the step's row update to the device (lag 2: off the critical path)
   transfer_bytes: int = 0  # bridge="per_step": host -> device bytes of those updates
   shipped_rows: int = 0  # bridge="per_step": (slot, row) writes sent, padding excluded
-  rows_seconds: float = 0.0  # bridge="per_step", after each step: reading its queries and evicted tokens
+  rows_seconds: float = 0.0  # bridge="per_step", after each step: finishing the read of its queries and evicted tokens
   land_seconds: float = 0.0  # bridge="per_step", after each step: dispatching the row update's scatter
   inserted_tokens: int = 0
   unindexed_attended: int = 0  # stored-not-yet-indexed tokens attended exactly, summed over layers

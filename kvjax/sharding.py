@@ -311,9 +311,12 @@ class ShardedPolicy(AttentionPolicy):
   def check(self, state) -> None:
     self._per_device(self.inner.check, state)
 
-  def after_step(self, cfg, state):
+  def after_step(self, cfg, state, started=None):
     """The inner policy's between-step host work on each device's share (retrieval's per_step
-    bridge: each device's runtime searches its own heads and updates its own row buffers)."""
+    bridge: each device's runtime searches its own heads and updates its own row buffers). Each
+    share reads its step's outputs here: start_after_step is the base's (nothing started), since
+    the shares are split anew at each call."""
+    del started  # always None (start_after_step is not overridden)
     local = self.local_cfg(cfg)
     return join_state(self._per_device(lambda s: self.inner.after_step(local, s), state), self.mesh)
 

@@ -35,3 +35,31 @@ def test_values_that_are_not_device_arrays_are_read_one_by_one():
   got = device_read.read_together(arrays)
   np.testing.assert_array_equal(got[0], np.arange(4))
   assert got[1] == np.float32(2.5) and got[1].dtype == np.float32
+
+
+def test_a_started_read_gives_the_same_arrays_once_finished(monkeypatch):
+  arrays = step_like_arrays()
+  expected = [np.asarray(x) for x in arrays]
+  copies = []
+  array_type = type(arrays[1])  # jax.Array's implementation
+  real_copy = array_type.copy_to_host_async
+  monkeypatch.setattr(array_type, "copy_to_host_async", lambda self: (copies.append(self), real_copy(self))[1])
+  started = device_read.start_reading(arrays)
+  assert len(copies) == 1  # the packed bytes' copy began before anyone asked for them
+  assert started.reads(arrays) and not started.reads(arrays[:-1]) and not started.reads(step_like_arrays())
+  got = device_read.finish_reading(started, arrays)
+  for want, have in zip(expected, got):
+    assert have.dtype == want.dtype and have.shape == want.shape
+    np.testing.assert_array_equal(have, want)
+  assert started.result() is got  # finished once
+
+
+def test_finishing_a_read_of_other_arrays_is_refused():
+  arrays = step_like_arrays()
+  started = device_read.start_reading(arrays)
+  with pytest.raises(ValueError, match="not a read of these arrays"):
+    device_read.finish_reading(started, step_like_arrays())  # equal values, other objects
+  started.result()
+  with pytest.raises(ValueError, match="not yet finished"):
+    device_read.finish_reading(started, arrays)  # a finished read no longer holds (or names) its arrays
+  np.testing.assert_array_equal(device_read.finish_reading(None, arrays[:2])[1], np.asarray(arrays[1]))

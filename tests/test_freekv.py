@@ -262,8 +262,9 @@ def exchange_log(monkeypatch):
   policy = freekv_policy.FreeKVAttention
   step_arrays, gather, land = policy._step_arrays, policy._gather, policy._land
 
-  def rows_spy(state):  # once per gather, in gather order
-    log._selections.append(np.asarray(state.selection))
+  def rows_spy(state):  # per gather, in gather order: start_after_step and after_step read one state
+    if not log._selections or log._selections[-1][0] is not state:
+      log._selections.append((state, np.asarray(state.selection)))
     return step_arrays(state)
 
   def gather_spy(self, runtime, rows, device):
@@ -283,7 +284,7 @@ def exchange_log(monkeypatch):
           k, v = kv_codec.decode_np(k), kv_codec.decode_np(v)
         same &= np.array_equal(k, pool_k[l, b, heads, slots]) and np.array_equal(v, pool_v[l, b, heads, slots])
     i = len(log.landed)  # landings follow gathers in order
-    log.landed.append((pool_ids, log._selections[i], log.fetches[i], same))
+    log.landed.append((pool_ids, log._selections[i][1], log.fetches[i], same))
     return after
 
   monkeypatch.setattr(policy, "_step_arrays", staticmethod(rows_spy))

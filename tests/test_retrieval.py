@@ -393,36 +393,39 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   """Between two steps the main thread reads the step's rows, the runtime id and the status in
   one copy (kvjax.device_read): every separate read of a device value (a `jax.device_get` of
   each array, an `int()` of a device scalar) waits for its own copy, on the critical path of a
-  lag-2 step."""
+  lag-2 step. That copy begins as the step is dispatched (start_after_step), so after_step
+  starts no read of its own."""
   cls = type(make_policy(policy, **options))
-  reads, gets, inside = [], [], []
-  real_get, real_read = jax.device_get, device_read.read_together
-  real_after, real_checked = cls.after_step, cls.checked_runtime
+  starts, gets, inside = [], [], []
+  real_get, real_start = jax.device_get, device_read.start_reading
+  real_after, real_start_after, real_checked = cls.after_step, cls.start_after_step, cls.checked_runtime
 
   def counted_get(x):
     if inside:
       gets.append(x)
     return real_get(x)
 
-  def counted_read(arrays):
-    if inside:
-      reads.append(arrays)
-    return real_read(arrays)
+  def counted_start(arrays):
+    starts.append(inside[-1] if inside else None)
+    return real_start(arrays)
 
-  def after_step(self, cfg, state):
-    inside.append(True)
-    try:
-      return real_after(self, cfg, state)
-    finally:
-      inside.pop()
+  def within(name, method):
+    def wrapped(self, *args):
+      inside.append(name)
+      try:
+        return method(self, *args)
+      finally:
+        inside.pop()
+    return wrapped
 
   def checked_runtime(self, runtime_id, status):
     assert not isinstance(runtime_id, jax.Array) and not isinstance(status, jax.Array)  # host values already
     return real_checked(self, runtime_id, status)
 
   monkeypatch.setattr(jax, "device_get", counted_get)
-  monkeypatch.setattr(device_read, "read_together", counted_read)
-  monkeypatch.setattr(cls, "after_step", after_step)
+  monkeypatch.setattr(device_read, "start_reading", counted_start)
+  monkeypatch.setattr(cls, "after_step", within("after_step", real_after))
+  monkeypatch.setattr(cls, "start_after_step", within("start_after_step", real_start_after))
   monkeypatch.setattr(cls, "checked_runtime", checked_runtime)
   real_runtime = cls.runtime
 
@@ -433,4 +436,5 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   monkeypatch.setattr(cls, "runtime", runtime)
   kvjax.generate(tiny_model("llama"), random_prompt(40), max_new_tokens=6, prefill_chunk=16, policy=policy,
                  policy_options=options)
-  assert len(reads) == 5 and not gets  # 5 steps (the sixth token comes from the fifth), one read after each
+  # 5 steps (the sixth token comes from the fifth), one read begun as each was dispatched
+  assert starts.count("start_after_step") == 5 and "after_step" not in starts and not gets

@@ -123,9 +123,18 @@ class AttentionPolicy(abc.ABC):
   def check(self, state: Any) -> None:
     """Raises any error the host side recorded during the last step."""
 
-  def after_step(self, cfg: ModelConfig, state: Any) -> Any:
+  def start_after_step(self, state: Any) -> Any:
+    """Runs right after a decode step is dispatched, outside jit, before its token is awaited:
+    starts what `after_step` will read from the step's outputs (`state`), so that the copy runs
+    as soon as the step ends instead of in the device-idle time after it (e.g. retrieval's
+    per_step bridge, kvjax.device_read.start_reading). Returns what to pass to `after_step` as
+    `started`; None when there is nothing to start."""
+    return None
+
+  def after_step(self, cfg: ModelConfig, state: Any, started: Any = None) -> Any:
     """Runs between decode steps, outside jit: checks the step and returns the state for the
-    next one (a policy may do host work here, e.g. retrieval's per_step bridge)."""
+    next one (a policy may do host work here, e.g. retrieval's per_step bridge). started: what
+    `start_after_step(state)` returned, or None (the policy then reads what it needs itself)."""
     self.check(state)
     return state
 

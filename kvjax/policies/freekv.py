@@ -574,14 +574,22 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       runtime.stats = freekv_host.FreeKVStats()
     return state
 
-  def after_step(self, cfg, state: FreeKVState) -> FreeKVState:
+  def _step_outputs(self, state: FreeKVState) -> tuple:
+    """What a per_step decode step hands to the host (device arrays): the runtime id and status
+    with the step's rows, in one transfer (kvjax.device_read says why)."""
+    return (state.runtime_id, state.status) + self._step_arrays(state)
+
+  def start_after_step(self, state: FreeKVState) -> device_read.PendingRead | None:
+    return device_read.start_reading(self._step_outputs(state)) if self.bridge == "per_step" else None
+
+  def after_step(self, cfg, state: FreeKVState, started: device_read.PendingRead | None = None) -> FreeKVState:
     if self.bridge != "per_step":
       self.check(state)
       return state
     t0 = time.perf_counter()
-    # Read now (the next step donates these buffers), with the runtime id and status in the same
-    # transfer (kvjax.device_read says why).
-    runtime_id, status, *rows = device_read.read_together((state.runtime_id, state.status) + self._step_arrays(state))
+    # Read now (the next step donates these buffers): the copy start_after_step began, else one
+    # begun here.
+    runtime_id, status, *rows = device_read.finish_reading(started, self._step_outputs(state))
     runtime = self.checked_runtime(runtime_id, status)
     runtime.stats.rows_seconds += time.perf_counter() - t0
     device = next(iter(state.pool_k.devices()))

@@ -475,11 +475,17 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                           buf_ids=jnp.full(rows, -1, jnp.int32, device=state.buf_ids.sharding))
     return self._first_rows(cfg, state)
 
-  def after_step(self, cfg, state: RetrievalState) -> RetrievalState:
-    if self.bridge != "per_step" or self.lag == 0:  # lag 0: the exchange ran between the passes (repeat_step)
+  def _reads_after_step(self) -> bool:  # lag 0: the exchange ran between the passes (repeat_step)
+    return self.bridge == "per_step" and self.lag != 0
+
+  def start_after_step(self, state: RetrievalState) -> device_read.PendingRead | None:
+    return device_read.start_reading(self._step_outputs(state)) if self._reads_after_step() else None
+
+  def after_step(self, cfg, state: RetrievalState, started: device_read.PendingRead | None = None) -> RetrievalState:
+    if not self._reads_after_step():
       self.check(state)
       return state
-    runtime, step = self._read_step(state)
+    runtime, step = self._read_step(state, started)
     if self.lag == 1:
       return self._prefetch(cfg, runtime, state, step)
     # Lag 2: this step's queries select the rows of the step after next, on the prefetch thread
@@ -492,12 +498,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     runtime.start_prefetch(self._update_to_device(runtime, state), self._sparse_layers(cfg), *step)
     return state if update is None else self._land(runtime, state, update)
 
-  def _read_step(self, state: RetrievalState):
+  def _read_step(self, state: RetrievalState, started: device_read.PendingRead | None = None):
     """(the runtime, checked for errors; the step's queries and evicted tokens (k, v, q,
-    positions) as host arrays), all read in one copy (timed into rows_seconds; kvjax.device_read
-    says why): the main thread does it between steps, the device idle."""
+    positions) as host arrays), all read in one copy (kvjax.device_read says why). started: that
+    copy, begun by start_after_step as the step was dispatched, else it begins here. The main
+    thread waits for it between steps, the device idle (timed into rows_seconds)."""
     t0 = time.perf_counter()
-    runtime_id, status, *step = device_read.read_together(self._step_outputs(state))
+    runtime_id, status, *step = device_read.finish_reading(started, self._step_outputs(state))
     runtime = self.checked_runtime(runtime_id, status)
     step = _host_arrays(step)
     runtime.stats.rows_seconds += time.perf_counter() - t0
