@@ -58,12 +58,14 @@ def main(argv):
     raise app.UsageError(str(e)) from None
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
   seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  contexts = eval_common.context_store(FLAGS.context_dir)
   plan = [(n, seed) for n in lengths for seed in seeds]
   rows: list[dict] = []
   for done, (length, seed) in enumerate(plan, 1):
     sample = kveval.make_sample(FLAGS.task, model.tokenizer, length=length, seed=seed)
     for record in kveval.run_sample(model, sample, specs, max_new_tokens=FLAGS.max_new_tokens,
-                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
+                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop,
+                                    contexts=contexts):
       eval_common.progress(record)
       family, budget = kvbudgets.parse_label(record["policy"])
       rows.append(eval_common.flatten(record) | {"family": family, "budget": budget})
@@ -81,6 +83,7 @@ def write(model, rows, lengths, budgets, seeds, *, xla_note: str, partial: str) 
            "budget = tokens attended per query head per decode step, split per family as kvjax.eval.budgets says "
            "(streaming: sinks min(128, B/4) + window; quest and freekv: sinks B/4 + window B/4 + pages B/2; "
            f"retrieval: sinks 128 + window 512 + top-(B-640)); early stop: {FLAGS.early_stop}. {xla_note}"
+           + eval_common.context_note(rows)
            + (f" Not offered (budget below the family's static set): {', '.join(skipped)}." if skipped else "")
            + (f" PARTIAL: {partial} samples." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)

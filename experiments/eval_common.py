@@ -36,6 +36,10 @@ def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
   flags.DEFINE_bool("early_stop", False, "Stop a decode once its text holds every answer (kvjax.eval.Sample.complete): "
                     "the scores are those of the whole generation, in fewer steps (kv_retrieval decodes in full).")
+  flags.DEFINE_string("context_dir", None, "Keep each prefilled context here (kvjax.eval.ContextStore) and load it in "
+                      "later runs instead of prefilling and indexing again. Contexts made by older code are reused "
+                      "as they are (each record names the commit that made its context): use a new directory after "
+                      "a change to prefill or to an index build.")
   flags.DEFINE_string("name", name, "Results stem: <out_dir>/<name>.json, .md and .png.")
   flags.DEFINE_string("out_dir", None, "Results directory (default experiments/results).")
   flags.DEFINE_bool("plot", True, "Write <name>.png (needs matplotlib, the bench extra).")
@@ -49,6 +53,21 @@ def use_determinism(enabled: bool) -> str:
     return "XLA deterministic flags: off."
   kvjax.use_deterministic_xla()
   return f"XLA deterministic flags: on (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')})."
+
+
+def context_store(directory: str | None) -> kveval.ContextStore | None:
+  return None if directory is None else kveval.ContextStore(directory, made_by=results_io.commit())
+
+
+def context_note(rows: list[dict]) -> str:
+  """The notes' sentence on contexts loaded from a store ("" when none was): their prefill
+  times are those of the run that made them, and so is the code of their prefill and index."""
+  loaded = [r for r in rows if r.get("context_loaded")]
+  if not loaded:
+    return ""
+  makers = sorted({r["context_made_by"] or "unknown" for r in loaded})
+  return (f" {len(loaded)} of {len(rows)} decodes started from a context loaded from a context store, made at "
+          f"{', '.join(makers)} (prefill_seconds are that run's).")
 
 
 def policies(values: list[str]) -> list[kveval.PolicySpec]:

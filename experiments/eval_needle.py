@@ -44,13 +44,15 @@ def main(argv):
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
   seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  contexts = eval_common.context_store(FLAGS.context_dir)
   plan = [(n, d, seed) for n in lengths for d in depths for seed in seeds]
   records: list[dict] = []
   summary: list[dict] = []
   for done, (length, depth, seed) in enumerate(plan, 1):
     sample = kveval.make_sample(FLAGS.task, model.tokenizer, length=length, depth=depth, seed=seed)
     for record in kveval.run_sample(model, sample, specs, max_new_tokens=FLAGS.max_new_tokens,
-                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
+                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop,
+                                    contexts=contexts):
       eval_common.progress(record)
       records.append(record)
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
@@ -67,6 +69,7 @@ def write(model, specs, lengths, depths, seeds, records, *, xla_note: str, parti
            f"{len(seeds)} sample(s) per cell (seeds {eval_common.seed_text(seeds)}); length = prompt text tokens "
            f"(chat template and answer prefix on top, see prompt_tokens). Depth = haystack tokens before the needle / "
            f"all haystack tokens; early stop once every answer is in the text: {FLAGS.early_stop}. {xla_note}"
+           + eval_common.context_note(rows)
            + (f" PARTIAL: {partial}." if partial else ""))
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes, summary=summary)
   eval_common.write_paired(rows, cell=("length", "depth"), sample=("seed",), name=FLAGS.name, out_dir=FLAGS.out_dir,

@@ -57,18 +57,20 @@ def main(argv):
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
   seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  contexts = eval_common.context_store(FLAGS.context_dir)
   plan = [(t, n, seed) for n in lengths for t in FLAGS.tasks for seed in seeds]
   rows: list[dict] = []
   table: list[dict] = []
   for done, (task, length, seed) in enumerate(plan, 1):
     sample = kveval.make_sample(task, model.tokenizer, length=length, seed=seed)
     for record in kveval.run_sample(model, sample, specs, max_new_tokens=FLAGS.max_new_tokens,
-                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop):
+                                    prefill_chunk=FLAGS.prefill_chunk, early_stop=FLAGS.early_stop,
+                                    contexts=contexts):
       eval_common.progress(record)
       rows.append(eval_common.flatten(record))
     notes = (f"{model.cfg.name} ({model.source}); {len(seeds)} sample(s) per cell (seeds "
              f"{eval_common.seed_text(seeds)}); {SCORES}; early stop once every answer is in the text: "
-             f"{FLAGS.early_stop}. {xla_note}"
+             f"{FLAGS.early_stop}. {xla_note}" + eval_common.context_note(rows)
              + (f" PARTIAL: {done} of {len(plan)} samples." if done < len(plan) else ""))
     # Rewritten after every sample: a long CPU study that is stopped keeps what it measured.
     table = write(rows, tasks=FLAGS.tasks, labels=[s.label for s in specs], lengths=lengths, notes=notes,

@@ -5,7 +5,7 @@ import json
 import re
 
 import pytest
-import tokenizers
+from byte_tokenizer import byte_tokenizer
 
 from kvjax import eval as kveval
 from kvjax.eval import layout, sizing, words
@@ -200,17 +200,6 @@ def test_fwe_answers_are_the_most_frequent_coded_words(tok):
   assert counts[3][1] > counts[4][1]
 
 
-def _byte_tokenizer():
-  """A 256-token byte-level tokenizer: fits random:tiny's 512-token vocabulary."""
-  from models.tokenizer import _bytes_to_unicode
-
-  vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode().values())}
-  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-  tok.decoder = tokenizers.decoders.ByteLevel()
-  return Tokenizer(tok, bos_id=None, eos_id=None)
-
-
 def test_runner_records_on_random_tiny():
   """Random weights: only the records' structure is checked, never accuracy."""
   import dataclasses
@@ -218,7 +207,7 @@ def test_runner_records_on_random_tiny():
   import kvjax
 
   model = kvjax.load_model("random:tiny")
-  model = dataclasses.replace(model, tokenizer=_byte_tokenizer())
+  model = dataclasses.replace(model, tokenizer=byte_tokenizer())
   sample = kveval.make_sample("niah_single_1", model.tokenizer, length=700, seed=0, depth=0.5)
   retrieval = {"index": "flat", "topk": 16, "sinks": 16, "window": 64}
   specs = [kveval.PolicySpec("full"), kveval.PolicySpec("retrieval", retrieval, label="retrieval"),

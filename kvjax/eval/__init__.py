@@ -8,6 +8,7 @@ needle grid, the pass key), their scorers, and a runner that decodes them under 
 Every task is generated locally and deterministically from a seed (nothing is downloaded).
 """
 
+from kvjax.eval.context_store import ContextStore, StoredContext
 from kvjax.eval.paired import PairedLoss, compare_to_reference, paired_loss
 from kvjax.eval.runner import PolicySpec, prompt_ids, run_sample, run_samples
 from kvjax.eval.sample import Sample
@@ -16,9 +17,11 @@ from kvjax.eval.tasks import RULER_TASKS, make_sample, takes_depth, task_names
 
 __all__ = [
     "RULER_TASKS",
+    "ContextStore",
     "PairedLoss",
     "PolicySpec",
     "Sample",
+    "StoredContext",
     "compare_to_reference",
     "kv_exact",
     "make_sample",

@@ -6,7 +6,7 @@ conversion between states. What can be shared is shared: policy specs that diffe
 decode-time options (the policy's `decode_options`, e.g. retrieval's topk / speculative /
 tau, freekv's speculative / tau) form one group, prefilled once and copied in memory
 (kvjax.copy_context) for each further member (decode consumes a context). So a sample costs
-one prefill per group, not per spec.
+one prefill per group, not per spec; with a ContextStore, one per group across runs.
 
 Decoding is greedy and token by token through kvjax.decode, so every generated token after
 the first runs the policy's sparse decode path, not only the prefill.
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 import kvjax
+from kvjax.eval.context_store import ContextStore
 from kvjax.eval.sample import Sample
 from kvjax.policies import make_policy
 
@@ -144,6 +145,7 @@ def run_sample(
     max_new_tokens: int | None = None,
     prefill_chunk: int = 1024,
     early_stop: bool = False,
+    contexts: ContextStore | None = None,
 ) -> list[dict]:
   """Decodes `sample` under every spec in `policies`; one record per spec, in their order.
 
@@ -156,6 +158,8 @@ def run_sample(
     early_stop: also stop a decode once its text is `Sample.complete` (every answer in it, for
       the substring metrics): the score is the one the whole generation would get, in fewer
       steps; kv_retrieval (whole-word match) always decodes in full.
+    contexts: load each group's prefilled context from this store when a run before saved it,
+      and save it there otherwise (kvjax.eval.ContextStore); None: prefill every time.
 
   Returns:
     Flat-ish dicts: task, length, prompt_tokens, depth, answer_depths, seed, policy (label),
@@ -163,7 +167,9 @@ def run_sample(
     generated_tokens, ms_per_token, prefill_seconds, prefill_shared, copy_seconds (the in-memory
     copy of a shared prefill this decode started from; 0 for the group's first member), on copies
     copy_host_s, copy_device_s and copy_attach_s (its parts: PrefilledContext.setup_times),
-    decode_seconds (the whole decode call's wall time), policy_stats.
+    decode_seconds (the whole decode call's wall time), policy_stats, and with a store
+    context_loaded, context_load_seconds and context_made_by (the group's prefill_seconds are then
+    those of the run that made it).
   """
   if model.tokenizer is None:
     raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")
@@ -184,8 +190,14 @@ def run_sample(
   records: list[dict | None] = [None] * len(policies)
   for members in groups.values():
     first = policies[members[0]]
-    context = kvjax.prefill(model, ids, max_new_tokens=new_tokens, policy=first.policy,
-                            policy_options=first.options, prefill_chunk=prefill_chunk)
+    stored = None
+    if contexts is None:
+      context = kvjax.prefill(model, ids, max_new_tokens=new_tokens, policy=first.policy,
+                              policy_options=first.options, prefill_chunk=prefill_chunk)
+    else:
+      stored = contexts.prefill(model, ids, first.policy, first.options, max_new_tokens=new_tokens,
+                                prefill_chunk=prefill_chunk)
+      context = stored.context
     # Decode consumes a context: the later members decode copies of it, each copied just before
     # (two contexts held at a time) with every decode option given explicitly (unset ones must
     # not inherit the first spec's), and the first member decodes the prefilled one last.
@@ -201,6 +213,9 @@ def run_sample(
       records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1, copy_seconds=copy_seconds,
                            copy_times=member_context.setup_times,
                            decode_seconds=time.perf_counter() - t1) | {"early_stop": early_stop}
+      if stored is not None:
+        records[i] |= {"context_loaded": stored.loaded, "context_load_seconds": stored.load_seconds,
+                       "context_made_by": stored.made_by}
   return records  # type: ignore[return-value]
 
 
