@@ -37,8 +37,7 @@ class ContextReuse:
       path, seconds = self._saved[shared]
       # Every decode option, the defaults included: a loaded context keeps the saving row's
       # options for any left out (a plain row after a speculative one would decode speculatively).
-      decode_options = {k: getattr(policy, k) for k in decode_only}
-      return kvjax.load_context(path, model, policy_options=decode_options), seconds
+      return kvjax.load_context(path, model, policy_options=policy.decode_option_values()), seconds
     t0 = time.perf_counter()
     context = build()
     seconds = time.perf_counter() - t0

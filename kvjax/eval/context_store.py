@@ -96,12 +96,10 @@ class ContextStore:
     path = self.path(key)
     replace = False
     if path.exists():
-      resolved = make_policy(policy, **options)
-      # Every decode option, defaults included: the saved ones are those of whoever saved it.
-      decode_options = {k: getattr(resolved, k) for k in resolved.decode_options}
       start = time.perf_counter()
       try:
-        context = kvjax.load_context(path, model, policy_options=decode_options)
+        context = kvjax.load_context(path, model,
+                                     policy_options=make_policy(policy, **options).decode_option_values())
       except ValueError as e:
         logging.warning("context store: %s does not load (%s); prefilling it again", path, e)
         replace = True

@@ -204,8 +204,9 @@ def run_sample(
     for i in members[1:] + members[:1]:
       copy_seconds, member_context = 0.0, context
       if i != members[0]:
+        member_policy = make_policy(policies[i].policy, **policies[i].options)
         t0 = time.perf_counter()
-        member_context = kvjax.copy_context(context, model, policy_options=_decode_options(policies[i]))
+        member_context = kvjax.copy_context(context, model, policy_options=member_policy.decode_option_values())
         copy_seconds = time.perf_counter() - t0
       t1 = time.perf_counter()
       result = kvjax.decode(model, member_context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
@@ -217,11 +218,6 @@ def run_sample(
         records[i] |= {"context_loaded": stored.loaded, "context_load_seconds": stored.load_seconds,
                        "context_made_by": stored.made_by}
   return records  # type: ignore[return-value]
-
-
-def _decode_options(spec: PolicySpec) -> dict:
-  policy = make_policy(spec.policy, **spec.options)
-  return {k: getattr(policy, k) for k in policy.decode_options}
 
 
 def run_samples(model, samples: Iterable[Sample], policies: Sequence[PolicySpec], *,

@@ -42,6 +42,11 @@ class AttentionPolicy(abc.ABC):
   # The cache capacity generate chooses is a multiple of this (quest: its page size).
   capacity_multiple = 1
 
+  def decode_option_values(self) -> dict[str, Any]:
+    """Every decode option's value, defaults included: what a copied or loaded context must be
+    given so that it decodes as this policy (unset options would keep the saving policy's)."""
+    return {k: getattr(self, k) for k in self.decode_options}
+
   @abc.abstractmethod
   def init_state(self, cfg: ModelConfig, batch: int, capacity: int, dtype) -> Any:
     """Empty state for `batch` sequences of up to `capacity` tokens (prompt + generation)."""
