@@ -15,7 +15,10 @@ called right after a step is dispatched, it queues the concatenation behind the 
 the copy to the host (`copy_to_host_async`), which then runs as soon as the step ends, while the
 main thread still waits for the step's token; `PendingRead.result()` after the step only waits
 for what is left of that copy. (Reads after the next dispatch are no option: the next step
-donates these buffers.)
+donates these buffers.) The step's sampled tokens travel in the same copy (`also`): read with a
+copy of their own, the main thread's wait for the token grew by about what the early start saved
+after it (experiments/results/bench_decode_smollm2_8k_text_hides_early*.md; that their copy waited
+behind this one is the likely cause, not traced).
 """
 
 from __future__ import annotations
@@ -51,25 +54,42 @@ def _one_device(arrays) -> bool:
 
 class PendingRead:
   """A read started by `start_reading`: `result()` gives the arrays as NumPy arrays (same shapes and
-  dtypes; views of one buffer when they were packed, not to be written to)."""
+  dtypes; views of one buffer when they were packed, not to be written to), `also()` the one more
+  array read with them."""
 
-  def __init__(self, sources: tuple, packed: jax.Array | None, order: tuple[int, ...]):
-    self._sources = sources  # the arrays read, for `reads`
+  def __init__(self, sources: tuple, packed: jax.Array | None, order: tuple[int, ...], *, count: int):
+    self._sources = sources  # the arrays read, then `also` where given
+    self._count = count  # how many of them `result()` gives
     self._packed = packed  # [nbytes] uint8, its copy to the host started; None: read one by one
     self._order = order
+    self._all: list[np.ndarray] | None = None
     self._result: list[np.ndarray] | None = None
 
   def reads(self, arrays: Sequence) -> bool:
-    """Whether this read, not yet finished, is of exactly these arrays (the same objects, in order)."""
+    """Whether this read, its result not yet taken, is of exactly these arrays (the same objects, in
+    order; `also` aside)."""
     arrays = tuple(arrays)
-    return len(arrays) == len(self._sources) and all(a is b for a, b in zip(arrays, self._sources))
+    return (self._result is None and len(arrays) == self._count
+            and all(a is b for a, b in zip(arrays, self._sources)))
 
   def result(self) -> list[np.ndarray]:
     """Waits for the copy (once; later calls return the same arrays)."""
     if self._result is None:
-      self._result = self._finish()
+      self._result = self._finished()[:self._count]
       self._sources = ()  # the next step donates them
     return self._result
+
+  def also(self) -> np.ndarray:
+    """Waits for the copy and gives the `also` array of `start_reading`."""
+    finished = self._finished()
+    if len(finished) == self._count:
+      raise ValueError("this read was started without an `also` array")
+    return finished[self._count]
+
+  def _finished(self) -> list[np.ndarray]:
+    if self._all is None:
+      self._all = self._finish()
+    return self._all
 
   def _finish(self) -> list[np.ndarray]:
     if self._packed is None:
@@ -85,16 +105,19 @@ class PendingRead:
     return out
 
 
-def start_reading(arrays: Sequence[jax.Array]) -> PendingRead:
+def start_reading(arrays: Sequence[jax.Array], *, also: jax.Array | None = None) -> PendingRead:
   """Starts reading the arrays to the host in one transfer (asynchronous: their computation may
-  still be running) and returns the read; `.result()` waits for it.
+  still be running) and returns the read; `.result()` waits for it. also: one more array read in
+  the same transfer and given by `.also()` (a decode step's sampled tokens, which the main thread
+  waits for first).
 
   Arrays on several devices (a sharded state), or values that are not device arrays, are read
   with `jax.device_get` when the result is asked for."""
-  arrays = tuple(arrays)
-  if not arrays or not _one_device(arrays):
-    return PendingRead(arrays, None, ())
-  sources = arrays
+  count = len(arrays)
+  sources = tuple(arrays) + (() if also is None else (also,))
+  if not sources or not _one_device(sources):
+    return PendingRead(sources, None, (), count=count)
+  arrays = sources
   # Committed or not, one compiled read serves both (jit's cache tells them apart).
   if not all(x.committed for x in arrays):
     arrays = jax.device_put(arrays, next(iter(arrays[0].devices())))
@@ -102,7 +125,7 @@ def start_reading(arrays: Sequence[jax.Array]) -> PendingRead:
   order = tuple(sorted(range(len(arrays)), key=lambda i: -arrays[i].dtype.itemsize))
   packed = _pack(arrays, order)
   packed.copy_to_host_async()
-  return PendingRead(sources, packed, order)
+  return PendingRead(sources, packed, order, count=count)
 
 
 def read_together(arrays: Sequence[jax.Array]) -> list[np.ndarray]:

@@ -428,8 +428,9 @@ def _decode(model, context, sampling, stop, stop_when, *, max_new_tokens, seed, 
         out, logits, state = engine.decode_step(*step_args, again, sub, **step_options)
     else:
       out, logits, state = engine.decode_step(*step_args, state, sub, **step_options)
-    started = attention.start_after_step(state)  # its copies run as soon as the step ends
-    next_tokens = np.asarray(out)  # waits for the step
+    # The policy's read of the step's outputs, begun now, carries the token too: one copy, as soon as the step ends.
+    started = attention.start_after_step(state, out)
+    next_tokens = np.asarray(out) if started is None else started.also()  # waits for the step
     t1 = time.perf_counter()
     state = attention.after_step(cfg, state, started)
     step_seconds.append(time.perf_counter() - t0)

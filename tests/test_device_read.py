@@ -63,3 +63,28 @@ def test_finishing_a_read_of_other_arrays_is_refused():
   with pytest.raises(ValueError, match="not yet finished"):
     device_read.finish_reading(started, arrays)  # a finished read no longer holds (or names) its arrays
   np.testing.assert_array_equal(device_read.finish_reading(None, arrays[:2])[1], np.asarray(arrays[1]))
+
+
+def test_also_travels_in_the_same_copy_and_is_not_in_the_result(monkeypatch):
+  arrays, tokens = step_like_arrays(), jnp.asarray([5, 11], jnp.int32)
+  copies = []
+  array_type = type(arrays[1])
+  real_copy = array_type.copy_to_host_async
+  monkeypatch.setattr(array_type, "copy_to_host_async", lambda self: (copies.append(self), real_copy(self))[1])
+  monkeypatch.setattr(jax, "device_get", lambda *a: pytest.fail("one device: no per-array reads"))
+  started = device_read.start_reading(arrays, also=tokens)
+  assert len(copies) == 1 and started.reads(arrays) and not started.reads(arrays + (tokens,))
+  np.testing.assert_array_equal(started.also(), [5, 11])  # asked for first, as the decode loop does
+  assert started.reads(arrays)  # still the policy's to finish
+  got = device_read.finish_reading(started, arrays)
+  assert len(got) == len(arrays)
+  for want, have in zip(arrays, got):
+    np.testing.assert_array_equal(have, np.asarray(want))
+  with pytest.raises(ValueError, match="without an `also` array"):
+    device_read.start_reading(arrays).also()
+
+
+def test_also_on_a_read_one_by_one():
+  got = device_read.start_reading((np.arange(3, dtype=np.int32),), also=jnp.asarray([4], jnp.int32))
+  np.testing.assert_array_equal(got.also(), [4])
+  np.testing.assert_array_equal(got.result()[0], np.arange(3))

@@ -393,10 +393,10 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
   """Between two steps the main thread reads the step's rows, the runtime id and the status in
   one copy (kvjax.device_read): every separate read of a device value (a `jax.device_get` of
   each array, an `int()` of a device scalar) waits for its own copy, on the critical path of a
-  lag-2 step. That copy begins as the step is dispatched (start_after_step), so after_step
-  starts no read of its own."""
+  lag-2 step. That copy begins as the step is dispatched (start_after_step) and carries the
+  step's token, so neither after_step nor the decode loop starts a read of its own."""
   cls = type(make_policy(policy, **options))
-  starts, gets, inside = [], [], []
+  starts, gets, inside, alsos = [], [], [], []
   real_get, real_start = jax.device_get, device_read.start_reading
   real_after, real_start_after, real_checked = cls.after_step, cls.start_after_step, cls.checked_runtime
 
@@ -405,9 +405,11 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
       gets.append(x)
     return real_get(x)
 
-  def counted_start(arrays):
+  def counted_start(arrays, also=None):
     starts.append(inside[-1] if inside else None)
-    return real_start(arrays)
+    if inside and inside[-1] == "start_after_step":
+      alsos.append(also)
+    return real_start(arrays, also=also)
 
   def within(name, method):
     def wrapped(self, *args):
@@ -434,7 +436,19 @@ def test_after_step_reads_the_device_once(policy, options, monkeypatch):
     return real_runtime(self, state)
 
   monkeypatch.setattr(cls, "runtime", runtime)
+  token_reads = []
+  array_type = type(jnp.zeros(1))
+  real_array = array_type.__array__
+
+  def counted_array(self, *args, **kwargs):
+    if any(self is a for a in alsos):
+      token_reads.append(self)
+    return real_array(self, *args, **kwargs)
+
+  monkeypatch.setattr(array_type, "__array__", counted_array)
   kvjax.generate(tiny_model("llama"), random_prompt(40), max_new_tokens=6, prefill_chunk=16, policy=policy,
                  policy_options=options)
-  # 5 steps (the sixth token comes from the fifth), one read begun as each was dispatched
+  # 5 steps (the sixth token comes from the fifth), one read begun as each was dispatched, with its token
   assert starts.count("start_after_step") == 5 and "after_step" not in starts and not gets
+  assert len(alsos) == 5 and all(isinstance(t, jax.Array) and t.shape == (1,) for t in alsos)
+  assert not token_reads  # the tokens came in the steps' reads, not in copies of their own

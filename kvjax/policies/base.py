@@ -128,12 +128,14 @@ class AttentionPolicy(abc.ABC):
   def check(self, state: Any) -> None:
     """Raises any error the host side recorded during the last step."""
 
-  def start_after_step(self, state: Any) -> Any:
+  def start_after_step(self, state: Any, tokens: Any = None) -> Any:
     """Runs right after a decode step is dispatched, outside jit, before its token is awaited:
     starts what `after_step` will read from the step's outputs (`state`), so that the copy runs
     as soon as the step ends instead of in the device-idle time after it (e.g. retrieval's
-    per_step bridge, kvjax.device_read.start_reading). Returns what to pass to `after_step` as
-    `started`; None when there is nothing to start."""
+    per_step bridge, kvjax.device_read.start_reading). tokens: the step's sampled tokens [batch]
+    (a device array), to read in the same copy. Returns what to pass to `after_step` as
+    `started`, a kvjax.device_read.PendingRead whose `also()` gives `tokens` when they were given;
+    None when there is nothing to start."""
     return None
 
   def after_step(self, cfg: ModelConfig, state: Any, started: Any = None) -> Any:

@@ -579,8 +579,10 @@ class FreeKVAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     with the step's rows, in one transfer (kvjax.device_read says why)."""
     return (state.runtime_id, state.status) + self._step_arrays(state)
 
-  def start_after_step(self, state: FreeKVState) -> device_read.PendingRead | None:
-    return device_read.start_reading(self._step_outputs(state)) if self.bridge == "per_step" else None
+  def start_after_step(self, state: FreeKVState, tokens=None) -> device_read.PendingRead | None:
+    if self.bridge != "per_step":
+      return None
+    return device_read.start_reading(self._step_outputs(state), also=tokens)
 
   def after_step(self, cfg, state: FreeKVState, started: device_read.PendingRead | None = None) -> FreeKVState:
     if self.bridge != "per_step":

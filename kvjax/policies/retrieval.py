@@ -478,8 +478,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _reads_after_step(self) -> bool:  # lag 0: the exchange ran between the passes (repeat_step)
     return self.bridge == "per_step" and self.lag != 0
 
-  def start_after_step(self, state: RetrievalState) -> device_read.PendingRead | None:
-    return device_read.start_reading(self._step_outputs(state)) if self._reads_after_step() else None
+  def start_after_step(self, state: RetrievalState, tokens=None) -> device_read.PendingRead | None:
+    if not self._reads_after_step():
+      return None
+    return device_read.start_reading(self._step_outputs(state), also=tokens)
 
   def after_step(self, cfg, state: RetrievalState, started: device_read.PendingRead | None = None) -> RetrievalState:
     if not self._reads_after_step():
