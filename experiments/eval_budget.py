@@ -57,7 +57,7 @@ def main(argv):
   except (ValueError, TypeError) as e:
     raise app.UsageError(str(e)) from None
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples, FLAGS.seeds_from)
   contexts = eval_common.context_store(FLAGS.context_dir)
   plan = [(n, seed) for n in lengths for seed in seeds]
   rows: list[dict] = []

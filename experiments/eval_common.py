@@ -7,6 +7,7 @@ answers one string, and the numeric policy_stats become `stat_<name>` columns.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import statistics
 import sys
@@ -32,6 +33,9 @@ def define_flags(*, lengths: list[str], samples: int, name: str) -> None:
   flags.DEFINE_integer("seed", 0, "First sample seed.")
   flags.DEFINE_list("seeds", [], "Sample seeds to run instead of --seed and --samples, e.g. the ones a policy lost "
                     "in an earlier run, to diagnose them without rerunning the rest.")
+  flags.DEFINE_string("seeds_from", None, "FILE:POLICY[:worse|better|both]: run the seeds on which POLICY scored "
+                      "below full (worse, the default), above it or either way in the rows of an earlier results "
+                      "JSON, instead of --seed and --samples.")
   flags.DEFINE_integer("max_new_tokens", None, "Generation per decode; default: each task's own.")
   flags.DEFINE_integer("prefill_chunk", 1024, "Prompt tokens per prefill step.")
   flags.DEFINE_bool("early_stop", False, "Stop a decode once its text holds every answer (kvjax.eval.Sample.complete): "
@@ -77,8 +81,13 @@ def policies(values: list[str]) -> list[kveval.PolicySpec]:
     raise app.UsageError(f"--policies: {e}") from None
 
 
-def sample_seeds(seeds: list[str], seed: int, samples: int) -> list[int]:
-  """The samples' seeds: `seeds` (--seeds) if given, else `samples` of them from `seed`."""
+def sample_seeds(seeds: list[str], seed: int, samples: int, seeds_from: str | None = None) -> list[int]:
+  """The samples' seeds: `seeds` (--seeds) or those `seeds_from` names (--seeds_from) if given,
+  else `samples` of them from `seed`."""
+  if seeds and seeds_from:
+    raise app.UsageError("give --seeds or --seeds_from, not both")
+  if seeds_from:
+    return disagreeing_seeds(seeds_from)
   if seeds:
     chosen = ints(seeds, "seeds")
     if len(set(chosen)) != len(chosen):
@@ -87,6 +96,26 @@ def sample_seeds(seeds: list[str], seed: int, samples: int) -> list[int]:
   if samples < 1:
     raise app.UsageError(f"--samples={samples} must be at least 1")
   return [seed + s for s in range(samples)]
+
+
+def disagreeing_seeds(spec: str) -> list[int]:
+  """--seeds_from=FILE:POLICY[:worse|better|both] -> kvjax.eval.disagreeing_seeds of FILE's rows."""
+  path, _, rest = spec.partition(":")
+  policy, _, which = rest.partition(":")
+  if not path or not policy:
+    raise app.UsageError(f"--seeds_from={spec} must be FILE:POLICY[:worse|better|both]")
+  try:
+    with open(path) as f:
+      rows = json.load(f)["rows"]
+  except (OSError, ValueError, KeyError) as e:
+    raise app.UsageError(f"--seeds_from: cannot read rows from {path}: {e}") from None
+  try:
+    chosen = kveval.disagreeing_seeds(rows, policy, which=which or "worse")
+  except ValueError as e:
+    raise app.UsageError(f"--seeds_from={spec}: {e}") from None
+  if not chosen:
+    raise app.UsageError(f"--seeds_from={spec}: {policy} and full agree on every seed of {path}")
+  return chosen
 
 
 def seed_text(seeds: list[int]) -> str:

@@ -56,7 +56,7 @@ def main(argv):
   lengths = eval_common.ints(FLAGS.lengths, "lengths")
   specs = eval_common.policies(FLAGS.policies)
   model = eval_common.load_model(FLAGS.model, FLAGS.dtype)
-  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples)
+  seeds = eval_common.sample_seeds(FLAGS.seeds, FLAGS.seed, FLAGS.samples, FLAGS.seeds_from)
   contexts = eval_common.context_store(FLAGS.context_dir)
   plan = [(t, n, seed) for n in lengths for t in FLAGS.tasks for seed in seeds]
   rows: list[dict] = []

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvjax.eval.paired import binomial_upper, compare_to_reference, paired_loss
+from kvjax.eval.paired import binomial_upper, compare_to_reference, disagreeing_seeds, paired_loss
 
 
 def test_no_sample_lost_shows_no_loss_only_with_enough_samples():
@@ -80,3 +80,26 @@ def test_compare_to_reference_pairs_by_sample_and_cell():
   assert (freekv["worse"], freekv["better"]) == (1, 0) and freekv["loss_bound_exact"] > 0.25
   assert table["niah", "streaming"]["verdict"] == "loss" and table["niah", "streaming"]["loss"] == 1.0
   assert not table["vt", "freekv"]["criterion_applies"]  # full scores 0 there
+
+
+def test_disagreeing_seeds_by_sample_over_cells():
+  rows = [dict(task="niah", length=4096, seed=s, policy="full", score=1.0) for s in range(6)]
+  rows += [dict(task="niah", length=4096, seed=s, policy="fast", score=score)
+           for s, score in ((0, 1.0), (1, 0.5), (2, 1.0), (3, 0.0), (4, 1.0), (5, 1.0))]
+  rows += [dict(task="vt", length=4096, seed=s, policy=p, score=score)  # another cell: fast wins seed 4, loses 2
+           for s, p, score in ((4, "full", 0.0), (4, "fast", 1.0), (2, "full", 1.0), (2, "fast", 0.8))]
+  rows.append(dict(task="niah", length=4096, seed=9, policy="fast", score=0.0))  # no full counterpart
+  assert disagreeing_seeds(rows, "fast") == [1, 2, 3]
+  assert disagreeing_seeds(rows, "fast", which="better") == [4]
+  assert disagreeing_seeds(rows, "fast", which="both") == [1, 2, 3, 4]  # the lost first
+  assert disagreeing_seeds(rows, "full", reference="fast", which="worse") == [4]
+
+
+def test_disagreeing_seeds_bad_input():
+  rows = [dict(seed=0, policy="full", score=1.0), dict(seed=0, policy="fast", score=0.0)]
+  with pytest.raises(ValueError, match="which='lost' must be one of"):
+    disagreeing_seeds(rows, "fast", which="lost")
+  with pytest.raises(ValueError, match="no rows of policy 'slow'"):
+    disagreeing_seeds(rows, "slow")
+  with pytest.raises(ValueError, match="no rows of policy 'dense'"):
+    disagreeing_seeds(rows, "fast", reference="dense")

@@ -1,7 +1,9 @@
-"""The eval CLIs' sample seeds (experiments/eval_common.py): --seeds picks samples by seed."""
+"""The eval CLIs' sample seeds (experiments/eval_common.py): --seeds picks samples by seed,
+--seeds_from those an earlier run's policy lost or won against full."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -33,3 +35,27 @@ def test_seed_text_shortens_consecutive_runs_only():
   assert eval_common.seed_text(list(range(30, 50))) == "30-49"
   assert eval_common.seed_text([5, 16, 32]) == "5, 16, 32"
   assert eval_common.seed_text([7]) == "7"
+
+
+def test_seeds_from_an_earlier_run(tmp_path):
+  rows = [dict(task="niah", length=4096, depth=None, seed=s, policy=p, score=score)
+          for s, p, score in ((7, "full", 1.0), (7, "fast", 0.5), (3, "full", 0.5), (3, "fast", 1.0),
+                              (5, "full", 1.0), (5, "fast", 1.0))]
+  path = tmp_path / "run.json"
+  path.write_text(json.dumps({"rows": rows}))
+  assert eval_common.sample_seeds([], seed=0, samples=50, seeds_from=f"{path}:fast") == [7]
+  assert eval_common.sample_seeds([], seed=0, samples=50, seeds_from=f"{path}:fast:both") == [7, 3]
+
+
+@pytest.mark.parametrize("spec,match", [("{path}", "must be FILE:POLICY"),
+                                        ("{path}:slow", "no rows of policy 'slow'"),
+                                        ("{path}:fast:lost", "which='lost' must be one of"),
+                                        ("{path}.missing:fast", "cannot read rows"),
+                                        ("{path}:fast:better", "agree on every seed")])
+def test_bad_seeds_from_is_refused_by_name(tmp_path, spec, match):
+  path = tmp_path / "run.json"
+  path.write_text(json.dumps({"rows": [dict(seed=1, policy="full", score=1.0), dict(seed=1, policy="fast", score=0.0)]}))
+  with pytest.raises(app.UsageError, match=match):
+    eval_common.sample_seeds([], seed=0, samples=1, seeds_from=spec.format(path=path))
+  with pytest.raises(app.UsageError, match="not both"):
+    eval_common.sample_seeds(["1"], seed=0, samples=1, seeds_from=f"{path}:fast")

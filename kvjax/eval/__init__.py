@@ -9,7 +9,7 @@ Every task is generated locally and deterministically from a seed (nothing is do
 """
 
 from kvjax.eval.context_store import ContextStore, StoredContext
-from kvjax.eval.paired import PairedLoss, compare_to_reference, paired_loss
+from kvjax.eval.paired import PairedLoss, compare_to_reference, disagreeing_seeds, paired_loss
 from kvjax.eval.runner import PolicySpec, prompt_ids, run_sample, run_samples
 from kvjax.eval.sample import Sample
 from kvjax.eval.scoring import kv_exact, score, string_match_all, string_match_part
@@ -23,6 +23,7 @@ __all__ = [
     "Sample",
     "StoredContext",
     "compare_to_reference",
+    "disagreeing_seeds",
     "kv_exact",
     "make_sample",
     "paired_loss",

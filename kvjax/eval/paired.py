@@ -155,3 +155,36 @@ def compare_to_reference(
           "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
           "criterion_applies": p.reference > 0.5})
   return out
+
+
+DISAGREEMENTS = ("worse", "better", "both")
+
+
+def disagreeing_seeds(rows: Iterable[dict], policy: str, *, reference: str = "full", which: str = "worse") -> list[int]:
+  """The seeds whose samples `policy` scored below (`which="worse"`), above ("better") or either
+  way ("both") `reference`, to rerun only those (e.g. with other decode options).
+
+  rows: evaluation records with "policy", "score", "seed" and any other keys of a sample (task,
+  length, depth): a seed counts when any of its samples disagrees. Returned in increasing order,
+  with "both" the lost seeds first (a run cut by its time limit has done those)."""
+  if which not in DISAGREEMENTS:
+    raise ValueError(f"which={which!r} must be one of {DISAGREEMENTS}")
+  rows = list(rows)
+  scores: dict[str, dict[tuple, float]] = {reference: {}, policy: {}}  # policy -> sample -> score
+  for r in rows:
+    if r["policy"] in scores:
+      sample = (r.get("task"), r.get("length"), r.get("depth"), int(r["seed"]))
+      scores[r["policy"]][sample] = float(r["score"])
+  for name, by_sample in scores.items():
+    if not by_sample:
+      raise ValueError(f"no rows of policy {name!r} (policies: {sorted({r['policy'] for r in rows})})")
+  ref = scores[reference]
+  worse, better = set(), set()
+  for sample, score in scores[policy].items():
+    if sample in ref and score != ref[sample]:
+      (worse if score < ref[sample] else better).add(sample[-1])
+  if which == "worse":
+    return sorted(worse)
+  if which == "better":
+    return sorted(better)
+  return sorted(worse) + sorted(better - worse)
