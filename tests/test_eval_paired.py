@@ -103,3 +103,7 @@ def test_disagreeing_seeds_bad_input():
     disagreeing_seeds(rows, "slow")
   with pytest.raises(ValueError, match="no rows of policy 'dense'"):
     disagreeing_seeds(rows, "fast", reference="dense")
+  with pytest.raises(ValueError, match="policy 'full' is the reference"):
+    disagreeing_seeds(rows, "full")
+  with pytest.raises(ValueError, match="row 2 lacks"):
+    disagreeing_seeds(rows + [dict(policy="fast", score=1.0)], "fast")

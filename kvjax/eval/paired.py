@@ -169,12 +169,17 @@ def disagreeing_seeds(rows: Iterable[dict], policy: str, *, reference: str = "fu
   with "both" the lost seeds first (a run cut by its time limit has done those)."""
   if which not in DISAGREEMENTS:
     raise ValueError(f"which={which!r} must be one of {DISAGREEMENTS}")
+  if policy == reference:
+    raise ValueError(f"policy {policy!r} is the reference")
   rows = list(rows)
   scores: dict[str, dict[tuple, float]] = {reference: {}, policy: {}}  # policy -> sample -> score
-  for r in rows:
-    if r["policy"] in scores:
-      sample = (r.get("task"), r.get("length"), r.get("depth"), int(r["seed"]))
-      scores[r["policy"]][sample] = float(r["score"])
+  for i, r in enumerate(rows):
+    try:
+      if r["policy"] in scores:
+        sample = (r.get("task"), r.get("length"), r.get("depth"), int(r["seed"]))
+        scores[r["policy"]][sample] = float(r["score"])
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"row {i} lacks a policy, an integer seed or a score: {e!r}") from None
   for name, by_sample in scores.items():
     if not by_sample:
       raise ValueError(f"no rows of policy {name!r} (policies: {sorted({r['policy'] for r in rows})})")
