@@ -87,7 +87,7 @@ def sample_seeds(seeds: list[str], seed: int, samples: int, seeds_from: str | No
   if seeds and seeds_from:
     raise app.UsageError("give --seeds or --seeds_from, not both")
   if seeds_from:
-    return disagreeing_seeds(seeds_from)
+    return seeds_from_run(seeds_from)
   if seeds:
     chosen = ints(seeds, "seeds")
     if len(set(chosen)) != len(chosen):
@@ -98,7 +98,7 @@ def sample_seeds(seeds: list[str], seed: int, samples: int, seeds_from: str | No
   return [seed + s for s in range(samples)]
 
 
-def disagreeing_seeds(spec: str) -> list[int]:
+def seeds_from_run(spec: str) -> list[int]:
   """--seeds_from=FILE:POLICY[:worse|better|both] -> kvjax.eval.disagreeing_seeds of FILE's rows."""
   path, _, rest = spec.partition(":")
   policy, _, which = rest.partition(":")
