@@ -54,7 +54,8 @@ def test_seeds_from_an_earlier_run(tmp_path):
                                         ("{path}:fast:better", "agree on every seed")])
 def test_bad_seeds_from_is_refused_by_name(tmp_path, spec, match):
   path = tmp_path / "run.json"
-  path.write_text(json.dumps({"rows": [dict(seed=1, policy="full", score=1.0), dict(seed=1, policy="fast", score=0.0)]}))
+  rows = [dict(seed=1, policy="full", score=1.0), dict(seed=1, policy="fast", score=0.0)]
+  path.write_text(json.dumps({"rows": rows}))
   with pytest.raises(app.UsageError, match=match):
     eval_common.sample_seeds([], seed=0, samples=1, seeds_from=spec.format(path=path))
   with pytest.raises(app.UsageError, match="not both"):
