@@ -21,6 +21,11 @@ decode steps; the .npz cache is reused, or the model is run once), per full-atte
    of q_{t-1}; the share of lag 1's lost mass those corrections win back, beside the share that
    as many corrections given to the (group, step) that lose the most would win back.
 
+4. Selections shared by a KV group (`group_recovery`): each head's mass on the group's top-(G k) by
+   its heads' mean softmax weights, on that score's top-k, on the mean query's top-(G k) and on the
+   pooled top-(G k) of q_{t-2}, beside how many distinct rows the per-head top-k sets hold: whether
+   one search and one set of slots per group (G times fewer of both) keeps what per-head sets keep.
+
 Decode step t is the capture's query at position N + t; q_{t-1} and q_{t-2} are the queries at
 N + t - 1 and N + t - 2 (the prompt's last queries for t < 2). Values were not captured, so
 this measures attention mass, not the error of the attention output.
@@ -167,6 +172,48 @@ def head_recovery(
   return out
 
 
+def group_recovery(
+    queries,  # [G, S + 2, D]: one GQA group's query heads, rows as in head_recovery
+    host_keys,  # [n_host, D]: the group's keys [sinks, N - window)
+    *,
+    scale: float,
+    ks,
+):
+  """What one selection shared by a KV group keeps of each head's attention -> dict of [G, S] arrays.
+
+  Per-head selection holds G sets of k rows per group (searched G times); a shared one is searched
+  once per group and held once. Per k, each head's share of its host attention mass on:
+  rec_group: the group's top-(G k) by the mean of its heads' softmax weights (FreeKV's
+    group-consistent score, per token): as many rows as the per-head sets together;
+  rec_group_small: that score's top-k (1 / G of the rows);
+  rec_group_meanq: the top-(G k) of the group's mean query (what one inner-product search per
+    group ranks);
+  rec_group_lag2: the top-(G k) of the pooled weights of q_{t-2} (a shared selection two steps old);
+  union: |union of the heads' exact top-k| / (G k), the same for every head of the group: the rows
+    the per-head sets hold that are distinct.
+  """
+  q32 = np.asarray(queries, np.float32)
+  group, steps = q32.shape[0], q32.shape[1] - 2
+  keys = np.asarray(host_keys, np.float32)
+  scores = scale * (q32 @ keys.T)  # [G, S + 2, n_host]
+  weights = softmax(scores[:, 2:])  # [G, S, n_host]
+  pooled = weights.mean(axis=0)  # [S, n_host]
+  pooled_lag2 = softmax(scores[:, :-2]).mean(axis=0)
+  mean_query = scale * (q32[:, 2:].mean(axis=0) @ keys.T)  # [S, n_host]
+  n_host = len(keys)
+  out = {}
+  for k in ks:
+    wide = min(group * k, n_host)
+    shared = {"group": topk_ids(pooled, wide), "group_small": topk_ids(pooled, k),
+              "group_meanq": topk_ids(mean_query, wide), "group_lag2": topk_ids(pooled_lag2, wide)}
+    for name, ids in shared.items():
+      out[f"rec_{name}@{k}"] = np.stack([recovered_mass(weights[h], ids) for h in range(group)])
+    own = np.stack([topk_ids(scores[h, 2:], k) for h in range(group)], axis=1)  # [S, G, k]
+    distinct = np.asarray([len(np.unique(own[t])) for t in range(steps)], np.float64)
+    out[f"union@{k}"] = np.broadcast_to(distinct / (group * min(k, n_host)), (group, steps)).copy()
+  return out
+
+
 def layer_study(q, k, layer, *, n, steps, sinks, window, scale, ks, roar=False, train_queries=4096,
                 train_topk=100, seed=0, threads=None):
   """Drift and recovery of one layer -> dict of arrays: cos1 / cos2 [Hq, S] per query head,
@@ -199,6 +246,10 @@ def layer_study(q, k, layer, *, n, steps, sinks, window, scale, ks, roar=False, 
                                   index=index, threads=threads))
   for key in per_head[0]:
     out[key] = np.stack([r[key] for r in per_head])
+  per_group = [group_recovery(qs[g * group:(g + 1) * group], k[layer, g, sinks:n - window], scale=scale, ks=ks)
+               for g in range(Hkv)]
+  for key in per_group[0]:
+    out[key] = np.concatenate([r[key] for r in per_group])  # [Hq, S], heads in order
   return out
 
 
@@ -215,7 +266,7 @@ def summarize(m, *, taus):
     row[f"corr2@{tau:g}"] = float(np.mean(m["gcos2"] < tau))
   row["host_share"] = float(np.mean(m["host_share"]))
   for key in m:
-    if key.startswith(("rec_", "hit_")):  # (miss_* and the spec columns are added from them)
+    if key.startswith(("rec_", "hit_", "union@")):  # (miss_* and the spec columns are added from them)
       row[key] = float(np.mean(m[key]))
       if key.startswith(("rec_exact", "rec_lag")):
         row[key.replace("@", "_p10@")] = float(np.percentile(m[key], 10))
@@ -270,7 +321,8 @@ def summary_markdown(rows, taus, roar: bool) -> str:
           + [f"corr2@{t:g}" for t in taus] + ["host_share", "rec_exact", "rec_lag1", "rec_lag2"]
           + (["rec_roar", "rec_roar_lag1"] if roar else []) + [f"rec_spec{t:g}" for t in taus]
           + [f"gain_spec{taus[0]:g}", f"gain_oracle{taus[0]:g}"]
-          + ["miss_exact", "miss_lag1", "hit_lag1", "hit_lag2"] + (["hit_roar", "hit_roar_lag1"] if roar else []))
+          + ["miss_exact", "miss_lag1", "hit_lag1", "hit_lag2"] + (["hit_roar", "hit_roar_lag1"] if roar else [])
+          + ["union", "rec_group", "rec_group_small", "rec_group_meanq", "rec_group_lag2"])
   text = ["| layer | k | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for r in rows:
     text.append(f"| {r['layer']} | {r['k']} | " + " | ".join(
@@ -301,6 +353,12 @@ def interpret(summaries: dict, ks, taus, roar: bool) -> str:
       s += (f" roar (default ef) for q_t: {100 * a[f'rec_roar@{k}']:.1f}% (hit {100 * a[f'hit_roar@{k}']:.1f}%), "
             f"for q_t-1 (what per_step lag 1 attends): {100 * a[f'rec_roar_lag1@{k}']:.1f}%, q_t-2: "
             f"{100 * a[f'rec_roar_lag2@{k}']:.1f}%.")
+    s += (f" One selection shared by each KV group (searched once a group, held once): the group's top-{k} x G "
+          f"by its heads' mean softmax weights holds {100 * a[f'rec_group@{k}']:.1f}% of each head's mass (the "
+          f"per-head sets together hold {100 * a[f'union@{k}']:.1f}% distinct rows of that count), its top-{k} "
+          f"alone {100 * a[f'rec_group_small@{k}']:.1f}%, the mean query's top-{k} x G "
+          f"{100 * a[f'rec_group_meanq@{k}']:.1f}%, and the pooled top-{k} x G of q_t-2 "
+          f"{100 * a[f'rec_group_lag2@{k}']:.1f}%.")
     for t in taus:
       g, o = a[f"gain_spec{t:g}@{k}"], a[f"gain_oracle{t:g}@{k}"]
       if g is not None:

@@ -141,7 +141,8 @@ def test_run_writes_results(tmp_path, monkeypatch):
   assert [r["layer"] for r in rows] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, "all", "all"]
   doc = json.loads((tmp_path / "qd_tiny.json").read_text())
   assert doc["meta"]["layers"] == [0, 1, 2, 3, 4] and "rec_roar_lag1" in doc["rows"][0]
-  assert "Spearman" in notes
+  assert "Spearman" in notes and "shared by each KV group" in notes
+  assert 0.0 < doc["rows"][0]["rec_group"] <= 1.0 and 0.5 <= doc["rows"][0]["union"] <= 1.0
   assert 0.0 <= summaries["all"]["hit_roar@10"] <= 1.0
   assert "corr@0.8" in (tmp_path / "qd_tiny.md").read_text() and "tau = 0.8" in notes
 
@@ -149,3 +150,42 @@ def test_run_writes_results(tmp_path, monkeypatch):
 def test_spearman():
   assert qd.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
   assert qd.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_group_recovery_against_direct_pooling():
+  rng = np.random.default_rng(6)
+  group, steps, n_host, d, scale, k = 3, 4, 200, 16, 0.25, 10
+  q = _vectors(rng, group * (steps + 2), d, scale=0.7).reshape(group, steps + 2, d)
+  host = _vectors(rng, n_host, d)
+  out = qd.group_recovery(q, host, scale=scale, ks=[k, 100])
+  assert out[f"rec_group@{k}"].shape == (group, steps)
+  for t in range(steps):
+    w = np.stack([qd.softmax(scale * host @ q[h, t + 2]) for h in range(group)])  # [G, n_host]
+    shared = np.argsort(-w.mean(0))[:group * k]
+    small = np.argsort(-w.mean(0))[:k]
+    meanq = np.argsort(-(host @ q[:, t + 2].mean(0)))[:group * k]
+    w2 = np.stack([qd.softmax(scale * host @ q[h, t]) for h in range(group)])
+    lag2 = np.argsort(-w2.mean(0))[:group * k]
+    own = {int(i) for h in range(group) for i in np.argsort(-w[h])[:k]}
+    for h in range(group):
+      assert out[f"rec_group@{k}"][h, t] == pytest.approx(w[h, shared].sum(), rel=1e-6)
+      assert out[f"rec_group_small@{k}"][h, t] == pytest.approx(w[h, small].sum(), rel=1e-6)
+      assert out[f"rec_group_meanq@{k}"][h, t] == pytest.approx(w[h, meanq].sum(), rel=1e-6)
+      assert out[f"rec_group_lag2@{k}"][h, t] == pytest.approx(w[h, lag2].sum(), rel=1e-6)
+      assert out[f"union@{k}"][h, t] == pytest.approx(len(own) / (group * k))
+      # the shared set of G k rows holds at least the mass of the head's own top-k where it contains it
+      if set(np.argsort(-w[h])[:k]) <= set(shared):
+        assert out[f"rec_group@{k}"][h, t] >= np.sort(w[h])[-k:].sum() - 1e-9
+  # a shared set as large as the host part holds everything
+  np.testing.assert_allclose(out["rec_group@100"], 1.0, rtol=1e-9)
+
+
+def test_group_recovery_of_one_head_groups_is_its_own_topk():
+  rng = np.random.default_rng(7)
+  q, host, dev, dev_pos, _ = _head(rng)
+  own = qd.head_recovery(q, host, dev, dev_pos, n=400, scale=0.25, ks=[20])
+  shared = qd.group_recovery(q[None], host, scale=0.25, ks=[20])
+  np.testing.assert_allclose(shared["rec_group@20"][0], own["rec_exact@20"], rtol=1e-9)
+  np.testing.assert_allclose(shared["rec_group_meanq@20"][0], own["rec_exact@20"], rtol=1e-9)
+  np.testing.assert_allclose(shared["rec_group_lag2@20"][0], own["rec_lag2@20"], rtol=1e-9)
+  np.testing.assert_allclose(shared["union@20"], 1.0)
