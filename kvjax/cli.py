@@ -33,6 +33,7 @@ POLICY_FLAGS = {
     "pinned_window": "pinned_window",
     "tail_slots": "tail_slots",
     "refresh": "refresh",
+    "search_query": "search_query",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -90,6 +91,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("refresh", None, ["search", "merge"], "retrieval per_step --speculative: a group whose query "
                     "has not drifted is refreshed on its turn by searching again (default) or by merging the tokens "
                     "stored since into its top-k, scored with the query of its latest search (no graph search).")
+  flags.DEFINE_enum("search_query", None, ["head", "group_mean"], "retrieval per_step bridge: each query head's "
+                    "rows are searched with its own query (default) or its KV group's mean query (the group's heads "
+                    "then hold the same top-k).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

@@ -75,6 +75,16 @@ def selection_slots(topk: int, tail_slots: int, successors: int, sources: int, p
   return topk + min(sources, topk) * successors + tail_slots + pinned * pinned_span
 
 
+def group_mean_queries(queries, group: int) -> np.ndarray:
+  """Each query head's query replaced by the mean of its KV group's: [..., Hq, D] -> [..., Hq, D].
+
+  The heads of a group then search the same rows: the top-k of the mean query ranks keys by the sum
+  of the group's logits (one search a group would serve them all)."""
+  *lead, Hq, D = queries.shape
+  grouped = np.asarray(queries, np.float32).reshape(*lead, Hq // group, group, D)
+  return np.broadcast_to(grouped.mean(axis=-2, keepdims=True), grouped.shape).reshape(*lead, Hq, D)
+
+
 def successor_ids(found, stored, count: int, age=None):
   """The `count` store ids after each found one, skipping `age` more (-1 where none was found
   or past the store).
@@ -128,6 +138,7 @@ def gather_threads(cores: int) -> int:
 
 
 REFRESH_MODES = ("search", "merge")
+SEARCH_QUERIES = ("head", "group_mean")  # what searches a query head's rows: its own query or its KV group's mean
 
 
 class PrefetchRuntime(HostRuntime):
@@ -148,6 +159,8 @@ class PrefetchRuntime(HostRuntime):
     (see `_heads_to_search`): "search" searches its index again with the current query; "merge"
     scores the tokens stored since its latest search against that search's query and merges them
     into its top-k (`_merge_refresh`: no graph search; the group keeps its query until it drifts).
+  search_query: "head" (each query head searches with its own query) or "group_mean" (with its
+    KV group's mean query: the heads of a group get the same top-k; `group_mean_queries`).
   index_after_gather: queue the indexing of the stored tokens after the gather, not beside it:
     for an exchange the device waits for (retrieval per_step lag 0 and 1), so the gather has
     the cores and the indexing overlaps the device's next pass (`gather_threads` has the cost of
@@ -157,7 +170,7 @@ class PrefetchRuntime(HostRuntime):
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
                pinned: int = 0, pinned_span: int = 1, background_threads: int | None = None,
-               reserved_cores: int | None = None, refresh: str = "search",
+               reserved_cores: int | None = None, refresh: str = "search", search_query: str = "head",
                index_after_gather: bool = False, **kwargs):
     if reserved_cores is None:
       reserved_cores = default_reserved_cores(available_cores())
@@ -179,7 +192,12 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"pinned_span={pinned_span} must be >= 1")
     if refresh not in REFRESH_MODES:
       raise ValueError(f"refresh={refresh!r}; expected one of {REFRESH_MODES}")
+    if search_query not in SEARCH_QUERIES:
+      raise ValueError(f"search_query={search_query!r}; expected one of {SEARCH_QUERIES}")
+    if search_query != "head" and refresh == "merge":  # merge scores the tokens since with the heads' own queries
+      raise ValueError(f"search_query={search_query!r} does not combine with refresh='merge'")
     self.refresh = refresh
+    self.search_query = search_query
     self.tail_slots = int(tail_slots)
     self.successors = int(successors)
     self.successor_sources = min(int(successor_sources), self.topk)
@@ -333,7 +351,9 @@ class PrefetchRuntime(HostRuntime):
     indexed = indexed_all[:, rows].T
     self._exchanges += 1
     searched, merged = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool each
-    found, scanned = self.context.search_layers(layers, queries[rows], k=self.topk, ef=self.ef, heads=searched,
+    search_queries = queries[rows] if self.search_query == "head" else group_mean_queries(queries[rows],
+                                                                                          self.context.group)
+    found, scanned = self.context.search_layers(layers, search_queries, k=self.topk, ef=self.ef, heads=searched,
                                                 threads=self.search_threads)  # [T, B, Hq, k]
     self._count_scanned(scanned[searched])
     found = np.where(searched[..., None], found, self._last_found[rows])

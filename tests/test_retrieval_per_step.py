@@ -31,7 +31,8 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("roar", {"lag": 0, "speculative": True, "tau": 0.8}),
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3}),
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5}),
-                                          ("roar", {"lag": 2, "speculative": True, "tau": 0.8, "refresh": "merge"})])
+                                          ("roar", {"lag": 2, "speculative": True, "tau": 0.8, "refresh": "merge"}),
+                                          ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean"})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -585,6 +586,31 @@ def test_prefetch_step_is_exact_top_k_plus_every_unindexed_token():
     runtime.close()
 
 
+def test_group_mean_search_gives_a_group_the_exact_top_k_of_its_mean_query():
+  rng = np.random.default_rng(2)
+  L, Hkv, n, D, topk = 2, 2, 40, 16, 6
+  keys, values = rng.standard_normal((2, L, Hkv, n, D), dtype=np.float32)
+  runtime = _runtime(keys, values, topk=topk, search_query="group_mean")
+  Hq, group = 2 * Hkv, 2
+  queries = rng.standard_normal((L, 1, Hq, D), dtype=np.float32)
+  no_k, no_v = np.zeros((2, L, 1, Hkv, D), np.float32)
+  try:
+    runtime.prefetch_step([0, 1], queries, no_k, no_v, np.zeros((L, 1, Hq, D), np.float32), np.full((L, 1), -1))
+    for layer in range(L):
+      for h in range(Hq):
+        g = h // group
+        mean_query = queries[layer, 0, g * group:(g + 1) * group].mean(axis=0)
+        expect = set(np.argsort(-(keys[layer, g] @ mean_query))[:topk])
+        held = set(runtime.slot_ids[layer, 0, h][runtime.slot_ids[layer, 0, h] >= 0].tolist())
+        assert held == expect  # each head of the group: the mean query's exact top-k (nothing evicted)
+  finally:
+    runtime.close()
+  np.testing.assert_allclose(prefetch_runtime.group_mean_queries(queries, group)[:, :, 1],
+                             queries[:, :, :2].mean(axis=2), rtol=1e-6)
+  with pytest.raises(ValueError, match="search_query='first'"):
+    _runtime(keys, values, topk=topk, search_query="first")
+
+
 def test_attend_rows_matches_dense_masked_attention():
   rng = np.random.default_rng(1)
   B, H, n, D = 2, 3, 7, 16
@@ -720,6 +746,9 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(pinned_window=4), "pinned_window=4 applies"),
     (dict(index_threads=4), "index_threads=4"),
     (dict(bridge="per_step", index_yields=1), "index_yields"),
+    (dict(bridge="per_step", search_query="group"), "search_query='group'"),
+    (dict(search_query="group_mean"), "search_query='group_mean' applies"),
+    (dict(bridge="per_step", speculative=True, refresh="merge", search_query="group_mean"), "does not combine"),
 ])
 def test_bad_options(options, message):
   with pytest.raises((ValueError, TypeError), match=message):

@@ -261,6 +261,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     0.68 against full's 0.72 (loss 0.08 [0.02, 0.14], 0.03 [-0.01, 0.07], 0.04 [0.00, 0.09]), all
     at 10.4-10.7 ms a token (ruler_qwen_32k_multiquery_pinned_window.md): 32, one sample ahead of
     64 and half its searches after the prefill.
+  search_query: per_step only: what searches each query head's rows, "head" (its own query, as
+    RetrievalAttention does) or "group_mean" (its KV group's mean query, so a group's heads hold
+    the same top-k: on captured Qwen2.5 32K queries a group's top-(G k) by the mean query held more
+    of each head's attention than per-head top-k sets of as many rows, experiments/results/
+    query_drift_qwen_32k_groups.md). The slots stay per query head, so with topk = G k this
+    measures the accuracy of one selection per group, not its memory or search savings.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -301,6 +307,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   pinned: int | None = None
   pinned_span: int = 16
   pinned_window: int | None = None
+  search_query: str = "head"
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
@@ -312,7 +319,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "refresh",
-                    "background_nice", "index_threads", "reserved_cores", "index_yields")
+                    "search_query", "background_nice", "index_threads", "reserved_cores", "index_yields")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -337,6 +344,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"refresh={self.refresh!r}; expected one of {prefetch_runtime.REFRESH_MODES}")
     if self.refresh != "search" and not (self.bridge == "per_step" and self.speculative):
       raise ValueError(f"refresh={self.refresh!r} applies to bridge='per_step' with speculative=True")
+    if self.search_query not in prefetch_runtime.SEARCH_QUERIES:
+      raise ValueError(f"search_query={self.search_query!r}; expected one of {prefetch_runtime.SEARCH_QUERIES}")
+    if self.search_query != "head" and self.bridge != "per_step":
+      raise ValueError(f"search_query={self.search_query!r} applies to bridge='per_step'")
+    if self.search_query != "head" and self.refresh == "merge":
+      raise ValueError(f"search_query={self.search_query!r} does not combine with refresh='merge'")
     if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
@@ -399,8 +412,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
+    searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
-            f"host: top-{self.topk} per query head{dense}{spec})")
+            f"host: top-{self.topk} per query head{searched_by}{dense}{spec})")
 
   @property
   def ring_len(self) -> int:
@@ -458,6 +472,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               speculative=self.speculative, tau=self.tau,
                                               background_threads=self.index_threads,
                                               reserved_cores=self.reserved_cores, refresh=self.refresh,
+                                              search_query=self.search_query,
                                               index_after_gather=self.lag < 2, **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
