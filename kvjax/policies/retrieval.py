@@ -265,8 +265,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     RetrievalAttention does) or "group_mean" (its KV group's mean query, so a group's heads hold
     the same top-k: on captured Qwen2.5 32K queries a group's top-(G k) by the mean query held more
     of each head's attention than per-head top-k sets of as many rows, experiments/results/
-    query_drift_qwen_32k_groups.md). The slots stay per query head, so with topk = G k this
-    measures the accuracy of one selection per group, not its memory or search savings.
+    query_drift_qwen_32k_groups.md, yet on seed 32 of niah_multiquery at lag 0 top-700 and
+    top-2100 missed the needle per-head top-2000 finds, ..._s32_group_cpu.md). The slots stay per
+    query head, so with topk = G k this measures the accuracy of one selection per group, not its
+    memory or search savings.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
