@@ -141,6 +141,18 @@ REFRESH_MODES = ("search", "merge")
 SEARCH_QUERIES = ("head", "group_mean")  # what searches a query head's rows: its own query or its KV group's mean
 
 
+def check_search_query(search_query: str, refresh: str, *, per_query_head_index: bool) -> None:
+  """Refuses an unknown `search_query`; and group_mean with refresh="merge" (which scores the tokens
+  stored since a search with the heads' own queries) or with an index per query head (a group's one
+  search needs the group's one index: roar with roar_heads="kv", or any other kind)."""
+  if search_query not in SEARCH_QUERIES:
+    raise ValueError(f"search_query={search_query!r}; expected one of {SEARCH_QUERIES}")
+  if search_query != "head" and refresh == "merge":
+    raise ValueError(f"search_query={search_query!r} does not combine with refresh='merge'")
+  if search_query != "head" and per_query_head_index:
+    raise ValueError(f"search_query={search_query!r} needs an index per KV head (roar_heads='kv'), not per query head")
+
+
 class PrefetchRuntime(HostRuntime):
   """A HostRuntime driven once per step (`prefetch_step`) rather than per layer by callbacks.
 
@@ -159,8 +171,9 @@ class PrefetchRuntime(HostRuntime):
     (see `_heads_to_search`): "search" searches its index again with the current query; "merge"
     scores the tokens stored since its latest search against that search's query and merges them
     into its top-k (`_merge_refresh`: no graph search; the group keeps its query until it drifts).
-  search_query: "head" (each query head searches with its own query) or "group_mean" (with its
-    KV group's mean query: the heads of a group get the same top-k; `group_mean_queries`).
+  search_query: "head" (each query head searches with its own query) or "group_mean" (one search a
+    KV group, in its index, with its mean query: the group's heads get the same top-k;
+    `group_mean_queries`, `_search_heads`).
   index_after_gather: queue the indexing of the stored tokens after the gather, not beside it:
     for an exchange the device waits for (retrieval per_step lag 0 and 1), so the gather has
     the cores and the indexing overlaps the device's next pass (`gather_threads` has the cost of
@@ -192,10 +205,7 @@ class PrefetchRuntime(HostRuntime):
       raise ValueError(f"pinned_span={pinned_span} must be >= 1")
     if refresh not in REFRESH_MODES:
       raise ValueError(f"refresh={refresh!r}; expected one of {REFRESH_MODES}")
-    if search_query not in SEARCH_QUERIES:
-      raise ValueError(f"search_query={search_query!r}; expected one of {SEARCH_QUERIES}")
-    if search_query != "head" and refresh == "merge":  # merge scores the tokens since with the heads' own queries
-      raise ValueError(f"search_query={search_query!r} does not combine with refresh='merge'")
+    check_search_query(search_query, refresh, per_query_head_index=context.per_q_head)
     self.refresh = refresh
     self.search_query = search_query
     self.tail_slots = int(tail_slots)
@@ -351,12 +361,7 @@ class PrefetchRuntime(HostRuntime):
     indexed = indexed_all[:, rows].T
     self._exchanges += 1
     searched, merged = self._heads_to_search(rows, queries, stored, first)  # [T, B, Hq] bool each
-    search_queries = queries[rows] if self.search_query == "head" else group_mean_queries(queries[rows],
-                                                                                          self.context.group)
-    found, scanned = self.context.search_layers(layers, search_queries, k=self.topk, ef=self.ef, heads=searched,
-                                                threads=self.search_threads)  # [T, B, Hq, k]
-    self._count_scanned(scanned[searched])
-    found = np.where(searched[..., None], found, self._last_found[rows])
+    found = np.where(searched[..., None], self._search_heads(layers, queries[rows], searched), self._last_found[rows])
     if self.refresh == "merge":  # a new search's top-k is scored at its first merge
       t, b, h = np.nonzero(searched)
       self._found_scores[np.asarray(layers)[t], b, h] = np.nan
@@ -383,6 +388,21 @@ class PrefetchRuntime(HostRuntime):
     self.stats.callbacks += 1
     self.stats.callback_seconds += time.perf_counter() - t0
     return update
+
+  def _search_heads(self, layers, queries, searched):  # queries [T, B, Hq, D], searched [T, B, Hq] bool
+    """The searched heads' top-k ids [T, B, Hq, k] (the others' rows unspecified). group_mean: one
+    search a KV group, with its mean query, shared by its heads (`_heads_to_search` decides per group)."""
+    if self.search_query == "head":
+      found, scanned = self.context.search_layers(layers, queries, k=self.topk, ef=self.ef, heads=searched,
+                                                  threads=self.search_threads)
+      self._count_scanned(scanned[searched])
+      return found
+    group = self.context.group
+    leaders = searched & (np.arange(searched.shape[-1]) % group == 0)  # each group's first head searches for it
+    found, scanned = self.context.search_layers(layers, group_mean_queries(queries, group), k=self.topk, ef=self.ef,
+                                                heads=leaders, threads=self.search_threads)
+    self._count_scanned(scanned[leaders])
+    return np.repeat(found[..., ::group, :], group, axis=2)
 
   def _store_evicted(self, layers, evicted_k, evicted_v, evicted_q, evicted_pos) -> None:
     """Appends every layer's evicted tokens in one call (a call per token and layer cost ~60 µs:

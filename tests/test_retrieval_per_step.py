@@ -32,7 +32,7 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3}),
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5}),
                                           ("roar", {"lag": 2, "speculative": True, "tau": 0.8, "refresh": "merge"}),
-                                          ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean"})])
+                                          ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean", "roar_heads": "kv"})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -603,6 +603,7 @@ def test_group_mean_search_gives_a_group_the_exact_top_k_of_its_mean_query():
         expect = set(np.argsort(-(keys[layer, g] @ mean_query))[:topk])
         held = set(runtime.slot_ids[layer, 0, h][runtime.slot_ids[layer, 0, h] >= 0].tolist())
         assert held == expect  # each head of the group: the mean query's exact top-k (nothing evicted)
+    assert runtime.stats.searched_heads == L * Hkv  # one search a group
   finally:
     runtime.close()
   np.testing.assert_allclose(prefetch_runtime.group_mean_queries(queries, group)[:, :, 1],
@@ -747,8 +748,10 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(index_threads=4), "index_threads=4"),
     (dict(bridge="per_step", index_yields=1), "index_yields"),
     (dict(bridge="per_step", search_query="group"), "search_query='group'"),
-    (dict(search_query="group_mean"), "search_query='group_mean' applies"),
-    (dict(bridge="per_step", speculative=True, refresh="merge", search_query="group_mean"), "does not combine"),
+    (dict(search_query="group_mean", roar_heads="kv"), "search_query='group_mean' applies"),
+    (dict(bridge="per_step", speculative=True, refresh="merge", search_query="group_mean", roar_heads="kv"),
+     "does not combine"),
+    (dict(bridge="per_step", search_query="group_mean"), "needs an index per KV head"),
 ])
 def test_bad_options(options, message):
   with pytest.raises((ValueError, TypeError), match=message):

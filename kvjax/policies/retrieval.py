@@ -267,8 +267,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     of each head's attention than per-head top-k sets of as many rows, experiments/results/
     query_drift_qwen_32k_groups.md, yet on seed 32 of niah_multiquery at lag 0 top-700 and
     top-2100 missed the needle per-head top-2000 finds, ..._s32_group_cpu.md). The slots stay per
-    query head, so with topk = G k this measures the accuracy of one selection per group, not its
-    memory or search savings.
+    query head, so with topk = G k this measures the accuracy of one selection per group and its
+    searches (one a group, in an index per KV head: roar_heads="kv" with roar), not its memory.
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -346,12 +346,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       raise ValueError(f"refresh={self.refresh!r}; expected one of {prefetch_runtime.REFRESH_MODES}")
     if self.refresh != "search" and not (self.bridge == "per_step" and self.speculative):
       raise ValueError(f"refresh={self.refresh!r} applies to bridge='per_step' with speculative=True")
-    if self.search_query not in prefetch_runtime.SEARCH_QUERIES:
-      raise ValueError(f"search_query={self.search_query!r}; expected one of {prefetch_runtime.SEARCH_QUERIES}")
+    prefetch_runtime.check_search_query(self.search_query, self.refresh,
+                                        per_query_head_index=self.index == "roar" and self.roar_heads == "query")
     if self.search_query != "head" and self.bridge != "per_step":
       raise ValueError(f"search_query={self.search_query!r} applies to bridge='per_step'")
-    if self.search_query != "head" and self.refresh == "merge":
-      raise ValueError(f"search_query={self.search_query!r} does not combine with refresh='merge'")
     if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
