@@ -190,7 +190,9 @@ def group_recovery(
     group ranks);
   rec_group_lag2: the top-(G k) of the pooled weights of q_{t-2} (a shared selection two steps old);
   union: |union of the heads' exact top-k| / (G k), the same for every head of the group: the rows
-    the per-head sets hold that are distinct.
+    the per-head sets hold that are distinct;
+  rec_union / rec_union_lag2: the head's mass on that union (each head attends its group-mates'
+    rows too: at most G k rows, searched per head, held once), of q_t's and of q_{t-2}'s sets.
   """
   q32 = np.asarray(queries, np.float32)
   group, steps = q32.shape[0], q32.shape[1] - 2
@@ -211,6 +213,11 @@ def group_recovery(
     own = np.stack([topk_ids(scores[h, 2:], k) for h in range(group)], axis=1)  # [S, G, k]
     distinct = np.asarray([len(np.unique(own[t])) for t in range(steps)], np.float64)
     out[f"union@{k}"] = np.broadcast_to(distinct / (group * min(k, n_host)), (group, steps)).copy()
+    own_lag2 = np.stack([topk_ids(scores[h, :-2], k) for h in range(group)], axis=1)
+    for name, sets in (("union", own), ("union_lag2", own_lag2)):
+      held = np.zeros((steps, n_host), bool)
+      held[np.arange(steps)[:, None], sets.reshape(steps, -1)] = True
+      out[f"rec_{name}@{k}"] = (weights * held).sum(axis=-1)  # [G, S]
   return out
 
 
@@ -322,7 +329,8 @@ def summary_markdown(rows, taus, roar: bool) -> str:
           + (["rec_roar", "rec_roar_lag1"] if roar else []) + [f"rec_spec{t:g}" for t in taus]
           + [f"gain_spec{taus[0]:g}", f"gain_oracle{taus[0]:g}"]
           + ["miss_exact", "miss_lag1", "hit_lag1", "hit_lag2"] + (["hit_roar", "hit_roar_lag1"] if roar else [])
-          + ["union", "rec_group", "rec_group_small", "rec_group_meanq", "rec_group_lag2"])
+          + ["union", "rec_union", "rec_union_lag2", "rec_group", "rec_group_small", "rec_group_meanq",
+             "rec_group_lag2"])
   text = ["| layer | k | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
   for r in rows:
     text.append(f"| {r['layer']} | {r['k']} | " + " | ".join(
@@ -358,7 +366,8 @@ def interpret(summaries: dict, ks, taus, roar: bool) -> str:
           f"per-head sets together hold {100 * a[f'union@{k}']:.1f}% distinct rows of that count), its top-{k} "
           f"alone {100 * a[f'rec_group_small@{k}']:.1f}%, the mean query's top-{k} x G "
           f"{100 * a[f'rec_group_meanq@{k}']:.1f}%, and the pooled top-{k} x G of q_t-2 "
-          f"{100 * a[f'rec_group_lag2@{k}']:.1f}%.")
+          f"{100 * a[f'rec_group_lag2@{k}']:.1f}%. Each head attending the union of its group's per-head top-{k} "
+          f"sets holds {100 * a[f'rec_union@{k}']:.1f}% (sets of q_t-2: {100 * a[f'rec_union_lag2@{k}']:.1f}%).")
     for t in taus:
       g, o = a[f"gain_spec{t:g}@{k}"], a[f"gain_oracle{t:g}@{k}"]
       if g is not None:

@@ -34,6 +34,7 @@ POLICY_FLAGS = {
     "tail_slots": "tail_slots",
     "refresh": "refresh",
     "search_query": "search_query",
+    "group_rows": "group_rows",
     "transfer": "transfer",
     "page_summary": "page_summary",
     "host_codec": "host_codec",
@@ -94,6 +95,8 @@ def define_flags() -> None:
   flags.DEFINE_enum("search_query", None, ["head", "group_mean"], "retrieval per_step bridge: each query head's "
                     "rows are searched with its own query (default) or its KV group's mean query (the group's heads "
                     "then hold the same top-k).")
+  flags.DEFINE_boolean("group_rows", None, "retrieval per_step bridge: each query head also attends the rows its "
+                       "KV group's other heads retrieved, each distinct row once (no more searches or rows).")
   flags.DEFINE_enum("transfer", None, ["page_locked", "pageable", "pinned"],
                     "per_step bridge: how each step's host update reaches the device: from its buffer locked in "
                     "place (default), from pageable memory, or through a copy into JAX's pinned host memory.")

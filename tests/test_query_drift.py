@@ -167,12 +167,16 @@ def test_group_recovery_against_direct_pooling():
     w2 = np.stack([qd.softmax(scale * host @ q[h, t]) for h in range(group)])
     lag2 = np.argsort(-w2.mean(0))[:group * k]
     own = {int(i) for h in range(group) for i in np.argsort(-w[h])[:k]}
+    own_lag2 = sorted({int(i) for h in range(group) for i in np.argsort(-w2[h])[:k]})
     for h in range(group):
       assert out[f"rec_group@{k}"][h, t] == pytest.approx(w[h, shared].sum(), rel=1e-6)
       assert out[f"rec_group_small@{k}"][h, t] == pytest.approx(w[h, small].sum(), rel=1e-6)
       assert out[f"rec_group_meanq@{k}"][h, t] == pytest.approx(w[h, meanq].sum(), rel=1e-6)
       assert out[f"rec_group_lag2@{k}"][h, t] == pytest.approx(w[h, lag2].sum(), rel=1e-6)
       assert out[f"union@{k}"][h, t] == pytest.approx(len(own) / (group * k))
+      assert out[f"rec_union@{k}"][h, t] == pytest.approx(w[h, sorted(own)].sum(), rel=1e-6)
+      assert out[f"rec_union_lag2@{k}"][h, t] == pytest.approx(w[h, own_lag2].sum(), rel=1e-6)
+      assert out[f"rec_union@{k}"][h, t] >= np.sort(w[h])[-k:].sum() - 1e-9  # holds the head's own top-k
       # the shared set of G k rows holds at least the mass of the head's own top-k where it contains it
       if set(np.argsort(-w[h])[:k]) <= set(shared):
         assert out[f"rec_group@{k}"][h, t] >= np.sort(w[h])[-k:].sum() - 1e-9
@@ -189,3 +193,5 @@ def test_group_recovery_of_one_head_groups_is_its_own_topk():
   np.testing.assert_allclose(shared["rec_group_meanq@20"][0], own["rec_exact@20"], rtol=1e-9)
   np.testing.assert_allclose(shared["rec_group_lag2@20"][0], own["rec_lag2@20"], rtol=1e-9)
   np.testing.assert_allclose(shared["union@20"], 1.0)
+  np.testing.assert_allclose(shared["rec_union@20"][0], own["rec_exact@20"], rtol=1e-9)
+  np.testing.assert_allclose(shared["rec_union_lag2@20"][0], own["rec_lag2@20"], rtol=1e-9)

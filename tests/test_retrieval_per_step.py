@@ -7,6 +7,7 @@ attention; the whole against `full` when the budget covers the context.
 """
 
 import dataclasses
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ import host_index
 import kvjax
 from kvjax import device_read, host_runtime, prefetch_runtime, row_update
 from kvjax.policies import RetrievalAttention
-from kvjax.policies.retrieval import attend_rows, prompt_window
+from kvjax.policies.retrieval import attend_group_rows, attend_rows, first_of_each_id, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
 from kvjax.row_update import padded_size
 from test_generate import random_prompt, tiny_model
@@ -32,7 +33,10 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3}),
                                           ("flat", {"lag": 2, "pinned": 4, "pinned_span": 3, "pinned_window": 5}),
                                           ("roar", {"lag": 2, "speculative": True, "tau": 0.8, "refresh": "merge"}),
-                                          ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean", "roar_heads": "kv"})])
+                                          ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean", "roar_heads": "kv"}),
+                                          ("flat", {"lag": 2, "group_rows": True}),
+                                          ("flat", {"lag": 0, "group_rows": True}),
+                                          ("roar", {"lag": 2, "speculative": True, "roar_heads": "kv", "group_rows": True})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -629,6 +633,75 @@ def test_attend_rows_matches_dense_masked_attention():
       w = np.exp(s - s.max())
       np.testing.assert_allclose(o[b, h], (w / w.sum()) @ v[b, h], rtol=1e-5, atol=1e-5)
       np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
+
+
+def test_first_of_each_id():
+  ids = jnp.asarray([[5, -1, 3, 5, 3, 7, -1, 5], [0, 0, 0, -1, 2, 1, 2, 9]], jnp.int32)
+  expect = [[1, 0, 1, 0, 0, 1, 0, 0], [1, 0, 0, 0, 1, 1, 0, 1]]
+  np.testing.assert_array_equal(first_of_each_id(ids), np.asarray(expect, bool))
+
+
+def test_group_rows_attend_the_union_of_a_groups_rows_once():
+  """Each head's attention over the distinct store ids its group's heads hold (a row held by two
+  heads counted once; -1 empty), against NumPy on the union; a head with no own row still
+  attends its group-mates'."""
+  rng = np.random.default_rng(2)
+  B, Hkv, group, n, D, stored = 2, 2, 3, 5, 8, 9
+  Hq = Hkv * group
+  store_k, store_v = (rng.standard_normal((B, Hkv, stored, D)).astype(np.float32) for _ in range(2))
+  ids = rng.integers(-1, stored, size=(B, Hq, n)).astype(np.int32)  # repeats within and across heads
+  ids[0, 0] = -1  # head 0 holds nothing itself
+  kv_head = np.arange(Hq) // group
+  gathered = lambda store: np.stack([[store[b, kv_head[h], np.maximum(ids[b, h], 0)] for h in range(Hq)]
+                                     for b in range(B)])
+  q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+  o, lse = attend_group_rows(jnp.asarray(q), jnp.asarray(gathered(store_k)), jnp.asarray(gathered(store_v)),
+                             jnp.asarray(ids), group=group, scale=0.4)
+  assert o.shape == (B, Hq, D) and lse.shape == (B, Hq)
+  for b in range(B):
+    for h in range(Hq):
+      g = kv_head[h]
+      union = sorted({int(i) for j in range(g * group, (g + 1) * group) for i in ids[b, j] if i >= 0})
+      s = 0.4 * store_k[b, g, union] @ q[b, h]
+      w = np.exp(s - s.max())
+      np.testing.assert_allclose(o[b, h], (w / w.sum()) @ store_v[b, g, union], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(lse[b, h], s.max() + np.log(w.sum()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("every_head_holds_it", [False, True])
+def test_group_rows_at_lag_0_attend_the_evicted_token_once(every_head_holds_it):
+  """lag 0: the ring leaves the token this step evicts out only when every head holds it in its
+  rows; otherwise the ring attends it, so no head's union may (one group-mate holding it would
+  count it twice)."""
+  cfg = tiny_model("llama").cfg  # 6 query heads, 2 KV heads
+  policy = RetrievalAttention(bridge="per_step", lag=0, group_rows=True, sinks=2, window=4, topk=3)
+  B, n, D = 1, 3, cfg.head_dim
+  pos = jnp.asarray([20], jnp.int32)
+  leaving = 20 - 4 - 2  # store id of position pos - window
+  rng = np.random.default_rng(3)
+  ids = rng.integers(0, leaving, size=(1, B, cfg.num_heads, n)).astype(np.int32)  # [L=1, B, Hq, n]
+  ids[0, 0, 1, 0] = leaving  # head 1 (group 0) holds it
+  if every_head_holds_it:
+    ids[0, 0, :, 2] = leaving
+  state = types.SimpleNamespace(buf_ids=jnp.asarray(ids),
+                                buf_k=jnp.asarray(rng.standard_normal((1, B, cfg.num_heads, n, D)), jnp.float32),
+                                buf_v=jnp.asarray(rng.standard_normal((1, B, cfg.num_heads, n, D)), jnp.float32))
+  q0 = jnp.asarray(rng.standard_normal((B, cfg.num_heads, D)), jnp.float32)
+  o, lse = policy._attend_buffered_rows(cfg, 0, q0, pos, state)
+  kept = ids[0] if every_head_holds_it else np.where(ids[0] == leaving, -1, ids[0])
+  o_ref, lse_ref = attend_group_rows(q0, state.buf_k[0], state.buf_v[0], jnp.asarray(kept), group=3,
+                                     scale=cfg.attn_scale)
+  np.testing.assert_allclose(o, o_ref, rtol=1e-6)
+  np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
+  assert bool(policy._evicted_in_rows(state, 0, pos)[0]) == every_head_holds_it
+
+
+def test_group_rows_options():
+  with pytest.raises(ValueError, match="group_rows=True applies to bridge='per_step'"):
+    RetrievalAttention(group_rows=True)
+  with pytest.raises(TypeError, match="group_rows"):
+    RetrievalAttention(bridge="per_step", group_rows=1)
+  assert "each head attending its KV group's rows" in RetrievalAttention(bridge="per_step", group_rows=True).describe()
 
 
 @pytest.mark.parametrize("lag", [0, 1, 2])

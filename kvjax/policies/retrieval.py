@@ -269,6 +269,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     top-2100 missed the needle per-head top-2000 finds, ..._s32_group_cpu.md). The slots stay per
     query head, so with topk = G k this measures the accuracy of one selection per group and its
     searches (one a group, in an index per KV head: roar_heads="kv" with roar), not its memory.
+  group_rows: per_step only: each query head attends, beside its own rows, the rows its KV group's
+    other heads retrieved (each distinct store id once), with no more searches and no more rows
+    held or shipped: on captured Qwen2.5 32K queries the union of a group's per-head top-k sets
+    held 40.3% of each head's attention at top-100 two steps old against the head's own 27.5%,
+    and 87.4% against 75.0% at top-2000 (experiments/results/query_drift_qwen_32k_union.md).
   transfer: per_step only: how each step's row update reaches the device, "page_locked" (the
     default: the packed buffers locked in place for DMA), "pageable" or "pinned" (staged in JAX's
     pinned host memory; kvjax.row_update.to_device).
@@ -310,6 +315,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   pinned_span: int = 16
   pinned_window: int | None = None
   search_query: str = "head"
+  group_rows: bool = False
   transfer: str = "page_locked"
   roar_heads: str = "query"
   background_nice: int = 10
@@ -321,7 +327,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "refresh",
-                    "search_query", "background_nice", "index_threads", "reserved_cores", "index_yields")
+                    "search_query", "group_rows", "background_nice", "index_threads", "reserved_cores", "index_yields")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -339,6 +345,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
         checks.integer(getattr(self, field), field, low=low)
     checks.boolean(self.speculative, "speculative")
     checks.boolean(self.index_yields, "index_yields")
+    checks.boolean(self.group_rows, "group_rows")
     checks.real(self.tau, "tau", low=0.0, high=1.0)
     if self.bridge not in BRIDGES:
       raise ValueError(f"bridge={self.bridge!r}; expected one of {BRIDGES}")
@@ -350,6 +357,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                         per_query_head_index=self.index == "roar" and self.roar_heads == "query")
     if self.search_query != "head" and self.bridge != "per_step":
       raise ValueError(f"search_query={self.search_query!r} applies to bridge='per_step'")
+    if self.group_rows and self.bridge != "per_step":
+      raise ValueError("group_rows=True applies to bridge='per_step' (the rows a group attends are on the device)")
     if self.lag not in (0, 1, 2) or isinstance(self.lag, bool):
       raise ValueError(f"lag={self.lag}; expected 0, 1 or 2")
     if self.lag != 1 and self.bridge != "per_step":
@@ -413,8 +422,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
+    shared = ", each head attending its KV group's rows" if self.group_rows else ""
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
-            f"host: top-{self.topk} per query head{searched_by}{dense}{spec})")
+            f"host: top-{self.topk} per query head{searched_by}{shared}{dense}{spec})")
 
   @property
   def ring_len(self) -> int:
@@ -660,12 +670,16 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
     lo = jnp.maximum(jnp.maximum(pos - R + 1, state.prompt_lengths - W), S)
     if self.lag == 0:  # a second pass: the token this step evicts is in the host's rows now, not the ring's
-      leaving = (pos - W - S)[:, None, None]  # its store id
-      held = jnp.all(jnp.any(state.buf_ids[layer] == leaving, axis=-1), axis=-1) & (pos - W >= S)  # [B]: every head
-      lo = jnp.where(held, jnp.maximum(lo, pos - W + 1), lo)
+      lo = jnp.where(self._evicted_in_rows(state, layer, pos), jnp.maximum(lo, pos - W + 1), lo)
     o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
                                  scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
+
+  def _evicted_in_rows(self, state: RetrievalState, layer, pos):
+    """lag 0: [B] bool, whether every query head holds the token this step evicts (store id
+    pos - window - sinks) in its rows; then the ring leaves it out, else the rows must."""
+    leaving = (pos - self.window - self.sinks)[:, None, None]
+    return jnp.all(jnp.any(state.buf_ids[layer] == leaving, axis=-1), axis=-1) & (pos - self.window >= self.sinks)
 
   def _evicted(self, state: RetrievalState, layers, pos):
     """The tokens leaving the window as `pos` [B] enters: (k, v [B, *layers, Hkv, D],
@@ -695,10 +709,20 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     the host retrieved, both on the device."""
     o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
     q0 = q[:, 0]  # [B, Hq, D]
-    o_rows, lse_rows = attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0,
-                                   scale=cfg.attn_scale)
+    o_rows, lse_rows = self._attend_buffered_rows(cfg, layer, q0, positions[:, 0], state)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
+
+  def _attend_buffered_rows(self, cfg, layer, q0, pos, state: RetrievalState):
+    """q0 [B, Hq, D], pos [B] -> (o [B, Hq, D], lse [B, Hq]) over the host's rows in the buffers."""
+    if not self.group_rows:
+      return attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0, scale=cfg.attn_scale)
+    ids = state.buf_ids[layer]  # [B, Hq, slots]
+    if self.lag == 0:  # the ring attends the evicted token unless every head holds it: then no row may
+      leaving = jnp.where(self._evicted_in_rows(state, layer, pos), -2, pos - self.window - self.sinks)  # -2: no id
+      ids = jnp.where(ids == leaving[:, None, None], -1, ids)
+    return attend_group_rows(q0, state.buf_k[layer], state.buf_v[layer], ids,
+                             group=cfg.num_heads // cfg.num_kv_heads, scale=cfg.attn_scale)
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     evicted_k, evicted_v, evicted_q, evicted_pos = self._evicted(state, layer, positions[:, 0])
@@ -857,14 +881,57 @@ def attend_rows(
 ):
   """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
   a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
+  o, lse = _attend_shared_rows(q[:, :, None], k, v, valid, scale=scale)
+  return o[:, :, 0], lse[:, :, 0]
+
+
+def attend_group_rows(
+    q,  # [B, Hq, D] one query per head
+    k,  # [B, Hq, n, D] each head's own rows (those of one KV head's store for the heads of a group)
+    v,  # [B, Hq, n, D]
+    ids,  # [B, Hq, n] int32 store id of each row, < 0 = empty
+    *,
+    group: int,
+    scale: float,
+):
+  """Each query head's attention over the rows of every head of its KV group (the `group`
+  consecutive heads), each distinct store id once -> (o [B, Hq, D] f32, lse [B, Hq] f32)."""
+  B, Hq, n, D = k.shape
+  shared = (B, Hq // group, group * n)
+  valid = first_of_each_id(ids.reshape(shared))
+  o, lse = _attend_shared_rows(q.reshape(B, Hq // group, group, D), k.reshape(*shared, D), v.reshape(*shared, D),
+                               valid, scale=scale)
+  return o.reshape(B, Hq, D), lse.reshape(B, Hq)
+
+
+def first_of_each_id(ids):  # ids [..., n] int32 -> [..., n] bool
+  """True at the first slot of each id >= 0 along the last axis: a row held by several heads of
+  a group is attended once."""
+  order = jnp.argsort(ids, axis=-1, stable=True)
+  ranked = jnp.take_along_axis(ids, order, axis=-1)
+  new = jnp.concatenate([jnp.ones_like(ranked[..., :1], bool), ranked[..., 1:] != ranked[..., :-1]], axis=-1)
+  first = jnp.zeros(ids.shape, bool)
+  return jnp.put_along_axis(first, order, new & (ranked >= 0), axis=-1, inplace=False)
+
+
+def _attend_shared_rows(
+    q,  # [B, H, G, D] G queries sharing each H's rows
+    k,  # [B, H, n, D]
+    v,  # [B, H, n, D]
+    valid,  # [B, H, n] bool
+    *,
+    scale: float,
+):
+  """-> (o [B, H, G, D] f32, lse [B, H, G] f32); no valid row: o = 0, lse = -inf (the merge's empty partial)."""
   exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
-  scores = jnp.einsum("bhd,bhnd->bhn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
-  scores = jnp.where(valid, scores, -jnp.inf)
+  scores = jnp.einsum("bhgd,bhnd->bhgn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
+  scores = jnp.where(valid[:, :, None], scores, -jnp.inf)
   peak = jnp.max(scores, axis=-1, keepdims=True)
   peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
   weights = jnp.exp(scores - peak)  # exactly 0 where invalid
   total = jnp.sum(weights, axis=-1)
-  o = jnp.einsum("bhn,bhnd->bhd", weights, v.astype(jnp.float32), precision=exact) / jnp.maximum(total, 1e-30)[..., None]
+  o = (jnp.einsum("bhgn,bhnd->bhgd", weights, v.astype(jnp.float32), precision=exact)
+       / jnp.maximum(total, 1e-30)[..., None])
   lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
   return o, lse
 
