@@ -687,13 +687,14 @@ def test_group_rows_at_lag_0_attend_the_evicted_token_once(every_head_holds_it):
                                 buf_k=jnp.asarray(rng.standard_normal((1, B, cfg.num_heads, n, D)), jnp.float32),
                                 buf_v=jnp.asarray(rng.standard_normal((1, B, cfg.num_heads, n, D)), jnp.float32))
   q0 = jnp.asarray(rng.standard_normal((B, cfg.num_heads, D)), jnp.float32)
-  o, lse = policy._attend_buffered_rows(cfg, 0, q0, pos, state)
+  held = policy._evicted_in_rows(state, 0, pos)
+  o, lse = policy._attend_buffered_rows(cfg, 0, q0, pos, state, evicted_in_rows=held)
   kept = ids[0] if every_head_holds_it else np.where(ids[0] == leaving, -1, ids[0])
   o_ref, lse_ref = attend_group_rows(q0, state.buf_k[0], state.buf_v[0], jnp.asarray(kept), group=3,
                                      scale=cfg.attn_scale)
   np.testing.assert_allclose(o, o_ref, rtol=1e-6)
   np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)
-  assert bool(policy._evicted_in_rows(state, 0, pos)[0]) == every_head_holds_it
+  assert bool(held[0]) == every_head_holds_it
 
 
 def test_group_rows_options():

@@ -655,10 +655,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return (jnp.where(pos < S, pos, S + (pos - S) % R), jnp.where(pos >= S, (pos - S) % R, R),
             jnp.where(evicted >= S, evicted, -1), S + evicted_r, evicted_r)
 
-  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState):
+  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState, evicted_in_rows=None):
     """Writes the new token into the ring and attends the ring on the device: the sinks and the
     positions [lo, pos], lo = max(pos - ring_len + 1, prompt length - window, sinks), the
-    tokens not yet in the host's rows (the prompt's are from its last `window` on).
+    tokens not yet in the host's rows (the prompt's are from its last `window` on); lag 0's
+    `evicted_in_rows` [B] (`_evicted_in_rows`) also leaves out the token leaving the window.
 
     Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the state with the updated rings)."""
     S, W, R = self.sinks, self.window, self.ring_len
@@ -669,8 +670,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     ring_v = state.ring_v.at[layer, b, :, slot].set(v[:, 0].astype(state.ring_v.dtype))
     ring_q = state.ring_q.at[layer, b, :, q_slot].set(q[:, 0].astype(state.ring_q.dtype), mode="drop")
     lo = jnp.maximum(jnp.maximum(pos - R + 1, state.prompt_lengths - W), S)
-    if self.lag == 0:  # a second pass: the token this step evicts is in the host's rows now, not the ring's
-      lo = jnp.where(self._evicted_in_rows(state, layer, pos), jnp.maximum(lo, pos - W + 1), lo)
+    if evicted_in_rows is not None:  # lag 0's second pass: the token this step evicts is in the host's rows
+      lo = jnp.where(evicted_in_rows, jnp.maximum(lo, pos - W + 1), lo)
     o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
                                  scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
@@ -707,22 +708,24 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   def _retrieve_prefetched(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     """bridge="per_step": the ring (window and the last `lag` tokens to leave it) and the rows
     the host retrieved, both on the device."""
-    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state)
+    pos = positions[:, 0]  # [B]
+    held = self._evicted_in_rows(state, layer, pos) if self.lag == 0 else None  # one answer for ring and rows
+    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state, evicted_in_rows=held)
     q0 = q[:, 0]  # [B, Hq, D]
-    o_rows, lse_rows = self._attend_buffered_rows(cfg, layer, q0, positions[:, 0], state)
+    o_rows, lse_rows = self._attend_buffered_rows(cfg, layer, q0, pos, state, evicted_in_rows=held)
     o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
-  def _attend_buffered_rows(self, cfg, layer, q0, pos, state: RetrievalState):
+  def _attend_buffered_rows(self, cfg, layer, q0, pos, state: RetrievalState, evicted_in_rows=None):
     """q0 [B, Hq, D], pos [B] -> (o [B, Hq, D], lse [B, Hq]) over the host's rows in the buffers."""
     if not self.group_rows:
       return attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0, scale=cfg.attn_scale)
     ids = state.buf_ids[layer]  # [B, Hq, slots]
-    if self.lag == 0:  # the ring attends the evicted token unless every head holds it: then no row may
-      leaving = jnp.where(self._evicted_in_rows(state, layer, pos), -2, pos - self.window - self.sinks)  # -2: no id
+    if evicted_in_rows is not None:  # lag 0: the ring attends the evicted token unless every head holds it, so
+      leaving = jnp.where(evicted_in_rows, -2, pos - self.window - self.sinks)  # then no row may (-2: no store id)
       ids = jnp.where(ids == leaving[:, None, None], -1, ids)
-    return attend_group_rows(q0, state.buf_k[layer], state.buf_v[layer], ids,
-                             group=cfg.num_heads // cfg.num_kv_heads, scale=cfg.attn_scale)
+    return attend_group_rows(q0, state.buf_k[layer], state.buf_v[layer], ids, group=cfg.group_size,
+                             scale=cfg.attn_scale)
 
   def _retrieve(self, cfg, layer, q, k, v, positions, state: RetrievalState):
     evicted_k, evicted_v, evicted_q, evicted_pos = self._evicted(state, layer, positions[:, 0])
