@@ -195,7 +195,8 @@ def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, 
               f"over the samples (seed {seed}); worse / better: samples the policy scored below / above full; "
               "loss_bound_exact: the Clopper-Pearson upper bound (97.5%) of worse / n, which bounds the mean loss "
               "(scores lie in [0, 1]); 'no loss > 0.02' = both the interval and that bound lie below 2 points (with no "
-              "sample lost: n >= 183). criterion_applies: full scores above 0.5 in the cell.", measured_by=measured_by)
+              "sample lost: n >= 183). criterion_applies: full scores above 0.5 in the cell. same_text: samples whose "
+              "generated text equals full's.", measured_by=measured_by)
   return table
 
 

@@ -80,6 +80,18 @@ def test_compare_to_reference_pairs_by_sample_and_cell():
   assert (freekv["worse"], freekv["better"]) == (1, 0) and freekv["loss_bound_exact"] > 0.25
   assert table["niah", "streaming"]["verdict"] == "loss" and table["niah", "streaming"]["loss"] == 1.0
   assert not table["vt", "freekv"]["criterion_applies"]  # full scores 0 there
+  assert "same_text" not in freekv  # the rows carry no texts
+
+
+def test_compare_to_reference_counts_texts_equal_to_the_reference():
+  texts = {"full": ["a 1", "b 2", "c 3"], "fast": ["a 1", "b 9", "c 3"], "wide": ["a 1", "b 2", "c 3"]}
+  rows = [dict(task="niah", seed=s, policy=p, score=1.0, generated=t[s]) for p, t in texts.items() for s in range(3)]
+  rows.append(dict(task="niah", seed=3, policy="fast", score=1.0, generated="d 4"))  # unpaired: not counted
+  table = {r["policy"]: r for r in compare_to_reference(rows, cell=("task",), sample=("seed",))}
+  assert (table["fast"]["same_text"], table["wide"]["same_text"]) == (2, 3)
+  assert table["fast"]["loss"] == 0  # equal scores, different texts
+  rows[0] = rows[0] | {"generated": None}  # full's seed 0 without its text: no count rather than a wrong one
+  assert all("same_text" not in r for r in compare_to_reference(rows, cell=("task",), sample=("seed",)))
 
 
 def test_disagreeing_seeds_by_sample_over_cells():

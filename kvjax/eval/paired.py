@@ -124,16 +124,21 @@ def compare_to_reference(
     margin: loss (in score units: 0.02 = 2 points of a 0-1 score) the verdict tests against.
 
   Returns one dict per (cell, candidate policy) with both mean scores, the mean loss, its
-  interval, n, the samples it lost and won, the exact bound of the loss and the verdict;
+  interval, n, the samples it lost and won, the exact bound of the loss and the verdict, and,
+  where rows carry their "generated" text, `same_text`: the paired samples whose text equals the
+  reference's (how often the policy decodes exactly what the reference does, which equal scores hide);
   samples the reference lacks (or the candidate) are left out and counted in "unpaired". A cell
   whose reference scores <= 0.5 is marked (the issue's criterion applies only where the
   reference scores above 50%).
   """
   rows = list(rows)
   scores: dict[tuple, dict[str, dict[tuple, float]]] = {}
+  texts: dict[tuple, dict[str, dict[tuple, str]]] = {}
   for r in rows:
-    key = tuple(r[k] for k in cell)
-    scores.setdefault(key, {}).setdefault(r["policy"], {})[tuple(r[k] for k in sample)] = float(r["score"])
+    key, at = tuple(r[k] for k in cell), tuple(r[k] for k in sample)
+    scores.setdefault(key, {}).setdefault(r["policy"], {})[at] = float(r["score"])
+    if r.get("generated") is not None:
+      texts.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["generated"]
   out = []
   for key, by_policy in scores.items():
     ref = by_policy.get(reference)
@@ -153,8 +158,16 @@ def compare_to_reference(
           f"{reference}_score": round(p.reference, 4), "score": round(p.candidate, 4), "loss": round(p.loss, 4),
           f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "worse": p.worse, "better": p.better,
           "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
-          "criterion_applies": p.reference > 0.5})
+          "criterion_applies": p.reference > 0.5} | _same_text(texts.get(key, {}), reference, policy, shared))
   return out
+
+
+def _same_text(texts: dict[str, dict[tuple, str]], reference: str, policy: str, shared: list[tuple]) -> dict:
+  """{"same_text": k} over the shared samples when both policies' rows hold their texts, else {}."""
+  ref, cand = texts.get(reference, {}), texts.get(policy, {})
+  if not all(s in ref and s in cand for s in shared):
+    return {}
+  return {"same_text": sum(ref[s] == cand[s] for s in shared)}
 
 
 DISAGREEMENTS = ("worse", "better", "both")
