@@ -18,6 +18,7 @@ ever copied (the `full` baseline carries the stacked cache through lax.scan).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,11 +28,15 @@ from jax.experimental import pallas as pl
 import numpy as np
 
 from ops import _checks
+from ops.merge import merge_partials
+from ops.rows_attention import attend_rows
 from ops.split_combine import combine_splits
 
 _NEG_INF = float("-inf")
 # Triton's tl.dot needs every tile dimension >= 16.
 _MIN_TILE = 16
+# Per-query-head rows read per kernel iteration (at most; fewer rows read fewer).
+_ROWS_BLOCK = 32
 # Programs to aim for when choosing the number of splits: a few waves of the
 # H200's 132 SMs, so batch 1 with one long set still fills the device.
 _TARGET_PROGRAMS = 512
@@ -65,6 +70,73 @@ def default_config(batch: int, kv_heads: int, seq_len: int, head_dim: int,
   return block_k, num_splits, split_len
 
 
+@dataclasses.dataclass(frozen=True)
+class _RowsLayout:
+  """Static shape of the per-query-head rows a call folds in: `groups` query heads a KV head,
+  `length` rows a head (>= block), read `block` at a time, `blocks_per_split` blocks a program."""
+  groups: int
+  length: int
+  block: int
+  blocks_per_split: int
+
+
+def _visit_rows(
+    q_ref,  # [Gp, D]: the KV head's query group (row g < groups: query head h * groups + g)
+    rows_k_ref,  # [L, B, Hq, n, D]: every query head's own rows, indexed in place
+    rows_v_ref,  # [L, B, Hq, n, D]
+    rows_ids_ref,  # [L, B, Hq, n] int32: < 0 = an empty row
+    carry,  # (acc [Gp, D], m [Gp], l [Gp]) float32: the online softmax so far
+    *,
+    layer,
+    b,
+    h,
+    split,
+    scale: float,
+    rows: _RowsLayout,
+):
+  """Folds this program's share of the group's own rows (blocks split * blocks_per_split onward)
+  into the carry: query row g attends only query head h * groups + g's rows, in float32 at
+  HIGHEST precision (as ops.rows_attention does). A row's m may stay -inf (no valid row yet):
+  the update shifts by 0 there instead of producing NaN."""
+  gp = q_ref.shape[0]
+  q32 = q_ref[...].astype(jnp.float32)
+  head_row = lax.broadcasted_iota(jnp.int32, (gp,), 0)
+  exact = lax.Precision.HIGHEST
+  n, br = rows.length, rows.block
+  num_blocks = pl.cdiv(n, br)
+  first = split * rows.blocks_per_split
+  last = jnp.minimum(first + rows.blocks_per_split, num_blocks)
+
+  def body(i, carry):
+    acc, m_prev, l_prev = carry
+    nominal = i * br
+    # A ragged last block is shifted back inside the buffer; rows before `nominal` were counted.
+    blk = jnp.minimum(nominal, n - br) if n % br else pl.multiple_of(nominal, br)
+    fresh = blk + lax.broadcasted_iota(jnp.int32, (br,), 0) >= nominal  # [br]
+    s = jnp.full((gp, br), _NEG_INF, jnp.float32)
+    values = []
+    for g in range(rows.groups):  # static: a few heads a group
+      head = h * rows.groups + g
+      valid = fresh & (rows_ids_ref[layer, b, head, pl.ds(blk, br)] >= 0)  # [br]
+      k = rows_k_ref[layer, b, head, pl.ds(blk, br), :].astype(jnp.float32)  # [br, D]
+      s_g = lax.dot_general(q32, k, (((1,), (1,)), ((), ())), precision=exact,
+                            preferred_element_type=jnp.float32) * scale  # [Gp, br]
+      s = jnp.where((head_row == g)[:, None] & valid[None, :], s_g, s)
+      v = rows_v_ref[layer, b, head, pl.ds(blk, br), :].astype(jnp.float32)
+      values.append(jnp.where(valid[:, None], v, 0.0))  # an empty row's NaN cannot leak
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    shift = jnp.where(m_next == _NEG_INF, 0.0, m_next)
+    alpha = jnp.exp(m_prev - shift)
+    p = jnp.exp(s - shift[:, None])  # [Gp, br]; exactly 0 off each row's own head
+    acc = alpha[:, None] * acc
+    for g, v in enumerate(values):
+      acc = acc + jnp.dot(jnp.where((head_row == g)[:, None], p, 0.0), v, precision=exact,
+                          preferred_element_type=jnp.float32)
+    return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
+
+  return lax.fori_loop(first, last, body, carry)
+
+
 def _kernel(
     layer_ref,  # [1] int32: layer of the stacked cache (0 when not stacked)
     starts_ref,  # [] int32: first valid key of this sequence
@@ -74,17 +146,18 @@ def _kernel(
     q_ref,  # [Gp, D]: this KV head's query group, padded to Gp rows
     k_ref,  # [L, B, Hkv, S, D]: the whole cache, indexed in place
     v_ref,  # [L, B, Hkv, S, D]
-    o_ref,  # [Gp, D] float32: this split's normalized output
-    lse_ref,  # [Gp] float32: this split's log-sum-exp
-    *,
+    *refs,  # with rows: rows_k_ref, rows_v_ref [L, B, Hq, n, D], rows_ids_ref [L, B, Hq, n]; then
+    # o_ref [Gp, D] float32 (this split's normalized output), lse_ref [Gp] float32 (its log-sum-exp)
     scale: float,
     block_k: int,
     split_len: int,
     seq_len: int,
     second: bool,
+    rows: _RowsLayout | None,
 ):
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = layer_ref[0]
+  o_ref, lse_ref = refs[-2:]
 
   gp, head_dim = q_ref.shape
   q = q_ref[...].astype(k_ref.dtype)  # [Gp, D]
@@ -145,6 +218,9 @@ def _kernel(
   if second:  # (static: a one-interval call compiles without it)
     # A block both intervals touch is read twice, each time masked to its own interval.
     acc, m, l = visit(starts2_ref[()], lengths2_ref[()], (acc, m, l))
+  if rows is not None:  # after the shared keys: their blocks leave every row's m finite or -inf alike
+    acc, m, l = _visit_rows(q_ref, *refs[:3], (acc, m, l), layer=layer, b=b, h=h, split=split, scale=scale,
+                            rows=rows)
   nonempty = l > 0
   o_ref[...] = jnp.where(nonempty[:, None], acc / jnp.where(nonempty, l, 1.0)[:, None], 0.0)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), _NEG_INF)
@@ -162,6 +238,9 @@ def _partial_attention_pallas(
     starts2,  # [B] int32
     lengths2,  # [B] int32
     layer,  # [1] int32
+    rows_k,  # [L, B, Hq, n, D] or None
+    rows_v,  # [L, B, Hq, n, D] or None
+    rows_ids,  # [L, B, Hq, n] int32 or None
     *,
     scale: float,
     block_k: int | None,
@@ -186,16 +265,25 @@ def _partial_attention_pallas(
   if gp != groups:
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
 
+  # The combine kernel reads all splits as one Triton block: a power of two. Programs past
+  # the last real split find no keys and write empty residuals (lse = -inf), or fold rows in.
+  grid_splits = pl.next_power_of_2(num_splits) if num_splits > 1 else 1
+  rows = None
+  row_operands, row_specs = (), []
+  if rows_k is not None:
+    rows_k, rows_v, rows_ids = _pad_rows(rows_k, rows_v, rows_ids)
+    n = rows_k.shape[3]
+    block_r = min(_ROWS_BLOCK, _pow2_floor(n))
+    rows = _RowsLayout(groups=groups, length=n, block=block_r,
+                       blocks_per_split=pl.cdiv(pl.cdiv(n, block_r), grid_splits))
+    row_operands, row_specs = (rows_k, rows_v, rows_ids), [pl.no_block_spec] * 3
   kernel = functools.partial(
-      _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len, second=second)
+      _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len, second=second, rows=rows)
   compiler_params = None
   if not interpret and jax.default_backend() == "gpu":
     from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
     compiler_params = plgpu.CompilerParams(
         num_warps=num_warps or 4, num_stages=num_stages or 2)
-  # The combine kernel reads all splits as one Triton block: a power of two. Programs past
-  # the last real split find no keys and write empty residuals (lse = -inf).
-  grid_splits = pl.next_power_of_2(num_splits) if num_splits > 1 else 1
   o, lse = pl.pallas_call(
       kernel,
       grid=(batch, kv_heads, grid_splits),
@@ -208,6 +296,7 @@ def _partial_attention_pallas(
           pl.BlockSpec((None, None, gp, head_dim), lambda b, h, s: (b, h, 0, 0)),
           pl.no_block_spec,
           pl.no_block_spec,
+          *row_specs,
       ],
       out_specs=[
           pl.BlockSpec((None, None, None, gp, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -219,14 +308,25 @@ def _partial_attention_pallas(
       ],
       compiler_params=compiler_params,
       interpret=interpret,
-      name=f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}" + ("_2iv" if second else ""),
-  )(layer, starts, lengths, starts2, lengths2, qg, k, v)
+      name=(f"kvjax_partial_attention_bk{block_k}_ns{grid_splits}" + ("_2iv" if second else "")
+            + ("" if rows is None else f"_rows{rows.block}")),
+  )(layer, starts, lengths, starts2, lengths2, qg, k, v, *row_operands)
   if grid_splits > 1:  # [B, Hkv, ns, Gp, D] -> [B, Hq, D]
     return combine_splits(o, lse, groups=groups, interpret=interpret)
   # One split is already normalized.
   o = o[:, :, 0, :groups].reshape(batch, q_heads, head_dim)
   lse = lse[:, :, 0, :groups].reshape(batch, q_heads)
   return o, lse
+
+
+def _pad_rows(rows_k, rows_v, rows_ids):
+  """Fewer rows a head than the smallest tile (16): padded with empty rows (a copy; tiny sets only)."""
+  n = rows_k.shape[3]
+  if n >= _MIN_TILE:
+    return rows_k, rows_v, rows_ids
+  pad = [(0, 0)] * 3 + [(0, _MIN_TILE - n)]
+  return (jnp.pad(rows_k, pad + [(0, 0)]), jnp.pad(rows_v, pad + [(0, 0)]),
+          jnp.pad(rows_ids, pad, constant_values=-1))
 
 
 def _select_layer(x, layer):
@@ -246,10 +346,22 @@ def _partial_attention_xla(
     starts2,  # [B] int32
     lengths2,  # [B] int32
     layer,  # [] int32 or None
+    rows_k,  # [B, Hq, n, D] or [L, B, Hq, n, D], or None
+    rows_v,  # same as rows_k
+    rows_ids,  # [B, Hq, n] or [L, B, Hq, n] int32, or None
     *,
     scale: float,
 ):
-  k, v = _select_layer(k, layer), _select_layer(v, layer)
+  o, lse = _interval_attention_xla(q, _select_layer(k, layer), _select_layer(v, layer), starts, lengths, starts2,
+                                   lengths2, scale=scale)
+  if rows_k is None:
+    return o, lse
+  own = attend_rows(q, _select_layer(rows_k, layer), _select_layer(rows_v, layer), _select_layer(rows_ids, layer) >= 0,
+                    scale=scale)
+  return merge_partials([(o, lse), own])
+
+
+def _interval_attention_xla(q, k, v, starts, lengths, starts2, lengths2, *, scale: float):  # k, v [B, Hkv, S, D]
   batch, q_heads, head_dim = q.shape
   _, kv_heads, seq_len, _ = k.shape
   groups = q_heads // kv_heads
@@ -277,6 +389,29 @@ def _in_intervals(seq_len: int, starts, lengths, starts2, lengths2):
   pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
   return (((pos >= starts[:, None]) & (pos < lengths[:, None]))
           | ((pos >= starts2[:, None]) & (pos < lengths2[:, None])))
+
+
+def _check_rows(q, k, rows_k, rows_v, rows_ids) -> None:
+  """The per-query-head rows: all three or none; [*lead, B, Hq, n, D] with k's leading axes."""
+  given = [x is not None for x in (rows_k, rows_v, rows_ids)]
+  if not any(given):
+    return
+  if not all(given):
+    missing = [name for name, g in zip(("rows_k", "rows_v", "rows_ids"), given) if not g]
+    raise ValueError(f"rows_k, rows_v and rows_ids go together; missing {missing}")
+  _checks.check_float("rows_k", rows_k)
+  _checks.check_float("rows_v", rows_v)
+  _checks.check_int("rows_ids", rows_ids)
+  lead = tuple(k.shape[:-3])  # (L, B) or (B,)
+  layout = "[layers, batch, q_heads, rows, head_dim]" if len(lead) == 2 else "[batch, q_heads, rows, head_dim]"
+  _checks.check_ndim("rows_k", rows_k, (k.ndim,), layout)
+  n = rows_k.shape[-2]
+  shape = lead + (q.shape[1], n, k.shape[-1])
+  if n < 1:
+    raise ValueError(f"rows_k.shape={tuple(rows_k.shape)}: needs at least one row a head")
+  _checks.check_shape("rows_k", rows_k, shape, layout)
+  _checks.check_shape("rows_v", rows_v, shape, layout)
+  _checks.check_shape("rows_ids", rows_ids, shape[:-1], layout.replace(", head_dim]", "]"))
 
 
 def _validate(q, k, v, lengths, starts, layer, implementation, starts2=None, lengths2=None):
@@ -338,6 +473,9 @@ def partial_attention(
     starts2: jax.Array | None = None,  # [B] int32
     lengths2: jax.Array | None = None,  # [B] int32
     layer: jax.Array | int | None = None,  # [] int32
+    rows_k: jax.Array | None = None,  # [B, Hq, n, D] or [L, B, Hq, n, D]
+    rows_v: jax.Array | None = None,  # same as rows_k
+    rows_ids: jax.Array | None = None,  # [B, Hq, n] or [L, B, Hq, n] int32
     scale: float | None = None,
     implementation: str = "pallas",
     interpret: bool = False,
@@ -366,6 +504,12 @@ def partial_attention(
       sinks of a ring whose window wraps. One call instead of two and a merge.
     layer: int32 scalar (may be traced) selecting the layer of a stacked cache;
       the Pallas path indexes the stacked buffer in place (no slice copy).
+    rows_k, rows_v, rows_ids: optional together: rows of each query head's own
+      (retrieval's host-retrieved keys and values, [batch, q_heads, rows, head_dim],
+      layer-stacked like k), attended beside the shared keys and merged exactly;
+      a row whose id is < 0 is empty. The kernel splits them over its programs
+      (no extra launch); the XLA path attends them apart (ops.rows_attention) and
+      merges.
     scale: score scale; default head_dim ** -0.5.
     implementation: "pallas" (the kernel) or "xla" (fused jnp).
     interpret: run the Pallas kernel in interpret mode (CPU tests).
@@ -382,19 +526,25 @@ def partial_attention(
   second = starts2 is not None
   lengths, starts, starts2, lengths2, scale = _prepare(q, k, v, lengths, starts, layer, implementation, scale,
                                                        starts2, lengths2)
+  _check_rows(q, k, rows_k, rows_v, rows_ids)
   if block_k is not None:
     _checks.check_pow2("block_k", block_k, _MIN_TILE)
   if num_splits is not None and num_splits < 1:
     raise ValueError(f"{num_splits=} must be >= 1")
   if implementation == "xla":
     layer_arr = None if layer is None else jnp.asarray(layer, jnp.int32)
-    return _partial_attention_xla(q, k, v, starts, lengths, starts2, lengths2, layer_arr, scale=scale)
+    return _partial_attention_xla(q, k, v, starts, lengths, starts2, lengths2, layer_arr, rows_k, rows_v, rows_ids,
+                                  scale=scale)
   if k.ndim == 4:
     k, v = k[None], v[None]  # a free reshape: L = 1
+    if rows_k is not None:
+      rows_k, rows_v, rows_ids = rows_k[None], rows_v[None], rows_ids[None]
     layer = 0
   layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+  if rows_ids is not None:
+    rows_ids = jnp.asarray(rows_ids, jnp.int32)
   return _partial_attention_pallas(
-      q, k, v, starts, lengths, starts2, lengths2, layer_arr, scale=scale, block_k=block_k,
+      q, k, v, starts, lengths, starts2, lengths2, layer_arr, rows_k, rows_v, rows_ids, scale=scale, block_k=block_k,
       num_splits=num_splits, interpret=interpret, num_warps=num_warps,
       num_stages=num_stages, second=second)
 
@@ -409,6 +559,9 @@ def partial_attention_reference(
     starts2: jax.Array | None = None,  # [B] int32
     lengths2: jax.Array | None = None,  # [B] int32
     layer: jax.Array | int | None = None,  # [] int32
+    rows_k: jax.Array | None = None,  # [B, Hq, n, D] or [L, B, Hq, n, D]
+    rows_v: jax.Array | None = None,  # same as rows_k
+    rows_ids: jax.Array | None = None,  # [B, Hq, n] or [L, B, Hq, n] int32
     scale: float | None = None,
     implementation: str = "xla",
     interpret: bool = False,
@@ -424,6 +577,7 @@ def partial_attention_reference(
   del implementation, interpret, block_k, num_splits, unused
   lengths, starts, starts2, lengths2, scale = _prepare(q, k, v, lengths, starts, layer, "xla", scale,
                                                        starts2, lengths2)
+  _check_rows(q, k, rows_k, rows_v, rows_ids)
   k, v = _select_layer(k, layer), _select_layer(v, layer)
   batch, q_heads, head_dim = q.shape
   _, kv_heads, seq_len, _ = k.shape
@@ -431,10 +585,19 @@ def partial_attention_reference(
   hp = lax.Precision.HIGHEST
   qg = q.astype(jnp.float32).reshape(batch, kv_heads, groups, head_dim)
   s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=hp) * scale
-  valid = _in_intervals(seq_len, starts, lengths, starts2, lengths2)  # [B, S]
-  s = jnp.where(valid[:, None, None, :], s, _NEG_INF)
+  valid = jnp.broadcast_to(_in_intervals(seq_len, starts, lengths, starts2, lengths2)[:, None, None, :], s.shape)
+  v32 = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None], (batch, kv_heads, groups, seq_len, head_dim))
+  if rows_k is not None:  # each query head's own rows join its set: one softmax over the union
+    rk, rv, rids = (_select_layer(x, layer) for x in (rows_k, rows_v, rows_ids))
+    own_shape = (batch, kv_heads, groups, rk.shape[2])
+    s_own = jnp.einsum("bkgd,bkgnd->bkgn", qg, rk.astype(jnp.float32).reshape(*own_shape, head_dim),
+                       precision=hp) * scale
+    s = jnp.concatenate([s, s_own], axis=-1)
+    valid = jnp.concatenate([valid, (rids >= 0).reshape(own_shape)], axis=-1)
+    v32 = jnp.concatenate([v32, rv.astype(jnp.float32).reshape(*own_shape, head_dim)], axis=-2)
+  s = jnp.where(valid, s, _NEG_INF)
   lse = jax.nn.logsumexp(s, axis=-1)  # -inf for an empty set
-  p = jnp.where(valid[:, None, None, :], jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-  v32 = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
-  o = jnp.einsum("bkgs,bksd->bkgd", p, v32, precision=hp)
+  p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+  v32 = jnp.where(valid[..., None], v32, 0.0)
+  o = jnp.einsum("bkgs,bkgsd->bkgd", p, v32, precision=hp)
   return o.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)

@@ -15,6 +15,7 @@ import pytest
 
 import ops
 from ops.partial_attention import default_config
+from ops.rows_attention import attend_rows
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
@@ -116,6 +117,50 @@ class PartialAttentionTest:
     o_two, lse_two = ops.merge_partials(parts)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_two), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_two), atol=2e-5, rtol=2e-5)
+
+  # (layers, group, kv_heads, seq_len, rows a head, num_splits): rows fewer than a tile (padded),
+  # ragged against the 32-row block, spread over more programs than hold ring keys
+  ROW_CASES = [(None, 3, 1, 40, 37, None), (3, 3, 2, 100, 70, 4), (None, 4, 2, 33, 8, 2), (2, 1, 4, 200, 96, 8)]
+
+  @pytest.mark.parametrize("case", ROW_CASES, ids=str)
+  def test_rows_match_reference(self, case):
+    """Each query head's own rows in the same call == one softmax over the union (reference) ==
+    the shared keys and the rows attended apart and merged. Empty rows hold NaN; sequence 0 has
+    no shared keys and its head 0 no rows (empty: o = 0, lse = -inf); its head 1 rows only."""
+    layers, group, kv_heads, seq_len, n, num_splits = case
+    batch, head_dim, dtype = 2, 64, jnp.float32
+    q_heads = group * kv_heads
+    q, k, v, _, _ = _make_case(zlib.crc32(repr(case).encode()), batch, q_heads, kv_heads, seq_len, head_dim, dtype,
+                               layers=layers, poison=False)
+    rng = np.random.default_rng(len(repr(case)))
+    lead = () if layers is None else (layers,)
+    ids = rng.integers(-1, 4, size=lead + (batch, q_heads, n)).astype(np.int32)  # ~1 in 5 empty
+    ids[..., 0, 0, :] = -1
+    ids[..., 0, 1 % q_heads, 0] = 7
+    rows_k = np.where(ids[..., None] < 0, np.nan, rng.standard_normal(lead + (batch, q_heads, n, head_dim)))
+    rows_v = np.where(ids[..., None] < 0, np.nan, rng.standard_normal(lead + (batch, q_heads, n, head_dim)))
+    rows = dict(rows_k=jnp.asarray(rows_k, dtype), rows_v=jnp.asarray(rows_v, dtype), rows_ids=jnp.asarray(ids))
+    lengths = jnp.asarray([0, seq_len - 3], jnp.int32)
+    layer = None if layers is None else 1
+    o, lse = ops.partial_attention(q, k, v, lengths, layer=layer, interpret=self.INTERPRET, block_k=16,
+                                   num_splits=num_splits, **rows)
+    o_ref, lse_ref = ops.partial_attention_reference(q, k, v, lengths, layer=layer, **rows)
+    o, lse, o_ref, lse_ref = map(np.asarray, (o, lse, o_ref, lse_ref))
+    empty = np.zeros((batch, q_heads), bool)
+    empty[0, 0] = True
+    assert np.array_equal(np.isneginf(lse_ref), empty) and np.array_equal(np.isneginf(lse), empty)
+    assert np.all(o[0, 0] == 0) and not np.isnan(o).any()
+    tol = TOL[dtype]
+    np.testing.assert_allclose(o, o_ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse[~empty], lse_ref[~empty], atol=tol, rtol=tol)
+    o_xla, lse_xla = ops.partial_attention(q, k, v, lengths, layer=layer, implementation="xla", **rows)
+    np.testing.assert_allclose(np.asarray(o_xla), o_ref, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(lse_xla)[~empty], lse_ref[~empty], atol=tol, rtol=tol)
+    shared = ops.partial_attention_reference(q, k, v, lengths, layer=layer)
+    pick = (lambda x: x) if layers is None else (lambda x: x[layer])
+    own = attend_rows(q, pick(rows["rows_k"]), pick(rows["rows_v"]), pick(rows["rows_ids"]) >= 0, scale=head_dim**-0.5)
+    o_two, _ = ops.merge_partials([shared, own])
+    np.testing.assert_allclose(o, np.asarray(o_two), atol=tol, rtol=tol)
 
   def test_layer_stacked_traced_layer_in_scan(self):
     """Stacked cache in a scan carry, traced layer: each layer == its own reference."""
@@ -220,6 +265,9 @@ def test_a_cache_without_slots_is_refused(implementation):
     (dict(starts2=[0, 1]), ValueError, "starts2 and lengths2 go together"),
     (dict(starts2=[0, 1], lengths2=[3, 21]), ValueError, r"lengths2\[1\]=21"),
     (dict(starts2=[3, 7], lengths2=[6, 9]), ValueError, r"sequence 0: .*\[0, 5\) overlaps .*\[3, 6\)"),
+    (dict(rows=("rows_k", "rows_v")), ValueError, r"go together; missing \['rows_ids'\]"),
+    (dict(rows_heads=2), ValueError, r"rows_k.shape=\(2, 2, 5, 64\).*\[batch, q_heads, rows, head_dim\]"),
+    (dict(rows_ids_dtype=jnp.float32), TypeError, "rows_ids.dtype=float32"),
 ])
 def test_bad_input_raises_naming_value(bad, err, match):
   q_heads, kv_heads = bad.get("q_heads", 4), bad.get("kv_heads", 2)
@@ -234,6 +282,10 @@ def test_bad_input_raises_naming_value(bad, err, match):
       kwargs[name] = jnp.asarray(bad[name], jnp.int32)
   if layers is not None:
     kwargs["layer"] = bad["layer"]
+  if any(name.startswith("rows") for name in bad):
+    rows_k = jnp.ones((2, bad.get("rows_heads", q_heads), 5, 64), jnp.float32)
+    given = dict(rows_k=rows_k, rows_v=rows_k, rows_ids=jnp.ones((2, q_heads, 5), bad.get("rows_ids_dtype", jnp.int32)))
+    kwargs.update({name: given[name] for name in bad.get("rows", given)})
   with pytest.raises(err, match=match):
     ops.partial_attention(q, k, k, lengths, interpret=True,
                           implementation=bad.get("implementation", "pallas"), **kwargs)

@@ -17,9 +17,10 @@ import host_index
 import kvjax
 from kvjax import device_read, host_runtime, prefetch_runtime, row_update
 from kvjax.policies import RetrievalAttention
-from kvjax.policies.retrieval import attend_group_rows, attend_rows, first_of_each_id, prompt_window
+from kvjax.policies.retrieval import attend_group_rows, first_of_each_id, prompt_window
 from kvjax.prefetch_runtime import PrefetchRuntime, layer_rows, span_ids, successor_ids
 from kvjax.row_update import padded_size
+from ops.rows_attention import attend_rows
 from test_generate import random_prompt, tiny_model
 from test_retrieval import SMALL, run
 

@@ -46,6 +46,7 @@ from kvjax.policies.base import (AttentionPolicy, DenseLayersMixin, HostBackedMi
                                  set_layer)
 from kvjax.policies.full import DenseKVCache, dense_attention, resolve_implementation, write_and_attend, write_dense
 from models.config import ModelConfig
+from ops.rows_attention import shared_rows_attention
 
 INDEX_KINDS = ("roar", "graph", "ivf", "flat")
 BRIDGES = ("per_layer", "per_step")
@@ -655,11 +656,12 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     return (jnp.where(pos < S, pos, S + (pos - S) % R), jnp.where(pos >= S, (pos - S) % R, R),
             jnp.where(evicted >= S, evicted, -1), S + evicted_r, evicted_r)
 
-  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState, evicted_in_rows=None):
+  def _ring_step(self, cfg, layer, q, k, v, positions, state: RetrievalState, evicted_in_rows=None, rows=None):
     """Writes the new token into the ring and attends the ring on the device: the sinks and the
     positions [lo, pos], lo = max(pos - ring_len + 1, prompt length - window, sinks), the
     tokens not yet in the host's rows (the prompt's are from its last `window` on); lag 0's
     `evicted_in_rows` [B] (`_evicted_in_rows`) also leaves out the token leaving the window.
+    `rows` (attend_ring's rows_k / rows_v / rows_ids) are attended in the same call.
 
     Returns (o_dev [B, Hq, D], lse_dev [B, Hq], the state with the updated rings)."""
     S, W, R = self.sinks, self.window, self.ring_len
@@ -673,7 +675,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if evicted_in_rows is not None:  # lag 0's second pass: the token this step evicts is in the host's rows
       lo = jnp.where(evicted_in_rows, jnp.maximum(lo, pos - W + 1), lo)
     o_dev, lse_dev = attend_ring(q[:, 0], ring_k, ring_v, pos, lo, sinks=S, ring_len=R, layer=layer,
-                                 scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation))
+                                 scale=cfg.attn_scale, implementation=resolve_implementation(self.implementation),
+                                 **(rows or {}))
     return o_dev, lse_dev, state.replace(ring_k=ring_k, ring_v=ring_v, ring_q=ring_q)
 
   def _evicted_in_rows(self, state: RetrievalState, layer, pos):
@@ -710,16 +713,21 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     the host retrieved, both on the device."""
     pos = positions[:, 0]  # [B]
     held = self._evicted_in_rows(state, layer, pos) if self.lag == 0 else None  # one answer for ring and rows
-    o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state, evicted_in_rows=held)
     q0 = q[:, 0]  # [B, Hq, D]
-    o_rows, lse_rows = self._attend_buffered_rows(cfg, layer, q0, pos, state, evicted_in_rows=held)
-    o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
+    if self.group_rows:
+      o_dev, lse_dev, state = self._ring_step(cfg, layer, q, k, v, positions, state, evicted_in_rows=held)
+      o_rows, lse_rows = self._attend_buffered_rows(cfg, layer, q0, pos, state, evicted_in_rows=held)
+      o, _ = ops.merge_partials([(o_dev, lse_dev), (o_rows, lse_rows)])
+    else:
+      # Each head's own rows ride in the ring's attention call: on a GPU one kernel a layer instead
+      # of the kernel and the XLA ops of a separate row attention and merge (the step is launch-bound).
+      rows = dict(rows_k=state.buf_k, rows_v=state.buf_v, rows_ids=state.buf_ids)
+      o, _, state = self._ring_step(cfg, layer, q, k, v, positions, state, evicted_in_rows=held, rows=rows)
     return o[:, None], state.replace(step_q=state.step_q.at[layer].set(q0.astype(jnp.float32)))
 
   def _attend_buffered_rows(self, cfg, layer, q0, pos, state: RetrievalState, evicted_in_rows=None):
-    """q0 [B, Hq, D], pos [B] -> (o [B, Hq, D], lse [B, Hq]) over the host's rows in the buffers."""
-    if not self.group_rows:
-      return attend_rows(q0, state.buf_k[layer], state.buf_v[layer], state.buf_ids[layer] >= 0, scale=cfg.attn_scale)
+    """group_rows: q0 [B, Hq, D], pos [B] -> (o [B, Hq, D], lse [B, Hq]) over the rows of each head's
+    KV group in the buffers."""
     ids = state.buf_ids[layer]  # [B, Hq, slots]
     if evicted_in_rows is not None:  # lag 0: the ring attends the evicted token unless every head holds it, so
       leaving = jnp.where(evicted_in_rows, -2, pos - self.window - self.sinks)  # then no row may (-2: no store id)
@@ -874,20 +882,6 @@ def _host_arrays(step):
           np.asarray(evicted_q, np.float32), np.asarray(evicted_pos))
 
 
-def attend_rows(
-    q,  # [B, H, D] one query per head
-    k,  # [B, H, n, D] each head's own rows
-    v,  # [B, H, n, D]
-    valid,  # [B, H, n] bool
-    *,
-    scale: float,
-):
-  """Attention of each head's query over its own few rows -> (o [B, H, D] f32, lse [B, H] f32);
-  a head with no valid row gets o = 0 and lse = -inf (the merge's empty partial)."""
-  o, lse = _attend_shared_rows(q[:, :, None], k, v, valid, scale=scale)
-  return o[:, :, 0], lse[:, :, 0]
-
-
 def attend_group_rows(
     q,  # [B, Hq, D] one query per head
     k,  # [B, Hq, n, D] each head's own rows (those of one KV head's store for the heads of a group)
@@ -902,7 +896,7 @@ def attend_group_rows(
   B, Hq, n, D = k.shape
   shared = (B, Hq // group, group * n)
   valid = first_of_each_id(ids.reshape(shared))
-  o, lse = _attend_shared_rows(q.reshape(B, Hq // group, group, D), k.reshape(*shared, D), v.reshape(*shared, D),
+  o, lse = shared_rows_attention(q.reshape(B, Hq // group, group, D), k.reshape(*shared, D), v.reshape(*shared, D),
                                valid, scale=scale)
   return o.reshape(B, Hq, D), lse.reshape(B, Hq)
 
@@ -917,28 +911,6 @@ def first_of_each_id(ids):  # ids [..., n] int32 -> [..., n] bool
   return jnp.put_along_axis(first, order, new & (ranked >= 0), axis=-1, inplace=False)
 
 
-def _attend_shared_rows(
-    q,  # [B, H, G, D] G queries sharing each H's rows
-    k,  # [B, H, n, D]
-    v,  # [B, H, n, D]
-    valid,  # [B, H, n] bool
-    *,
-    scale: float,
-):
-  """-> (o [B, H, G, D] f32, lse [B, H, G] f32); no valid row: o = 0, lse = -inf (the merge's empty partial)."""
-  exact = jax.lax.Precision.HIGHEST  # a few rows per head: no reason to let a GPU drop to TF32
-  scores = jnp.einsum("bhgd,bhnd->bhgn", q.astype(jnp.float32), k.astype(jnp.float32), precision=exact) * scale
-  scores = jnp.where(valid[:, :, None], scores, -jnp.inf)
-  peak = jnp.max(scores, axis=-1, keepdims=True)
-  peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-  weights = jnp.exp(scores - peak)  # exactly 0 where invalid
-  total = jnp.sum(weights, axis=-1)
-  o = (jnp.einsum("bhgn,bhnd->bhgd", weights, v.astype(jnp.float32), precision=exact)
-       / jnp.maximum(total, 1e-30)[..., None])
-  lse = jnp.where(total > 0, jnp.log(jnp.maximum(total, 1e-30)) + peak[..., 0], -jnp.inf)
-  return o, lse
-
-
 def attend_ring(
     q,  # [B, Hq, D] one decode query per sequence
     ring_k,  # [L, B, Hkv, sinks + ring_len, D]: slot s < sinks holds position s, slot
@@ -951,16 +923,18 @@ def attend_ring(
     layer,
     scale: float,
     implementation: str,
+    **rows,
 ):
   """(o, lse) over the sinks and positions [lo, pos] of a circular ring, in one
   ops.partial_attention call of two intervals: from lo's slot up to the ring's end, and the
-  sinks joined to the wrapped rest (freekv's ring and retrieval's)."""
+  sinks joined to the wrapped rest (freekv's ring and retrieval's); `rows` (ops.partial_attention's
+  rows_k, rows_v, rows_ids) join the same call."""
   count = jnp.maximum(pos + 1 - lo, 0)
   a = (lo - sinks) % ring_len
   return ops.partial_attention(
       q, ring_k, ring_v, sinks + jnp.minimum(a + count, ring_len), starts=sinks + a, starts2=jnp.zeros_like(pos),
       lengths2=jnp.where(pos >= sinks, sinks + jnp.maximum(a + count - ring_len, 0), pos + 1), layer=layer,
-      scale=scale, implementation=implementation)
+      scale=scale, implementation=implementation, **rows)
 
 
 def _rings_from_dense(dense_k, dense_v, lengths, sinks: int, ring_len: int):
