@@ -73,11 +73,17 @@ def default_config(batch: int, kv_heads: int, seq_len: int, head_dim: int,
 @dataclasses.dataclass(frozen=True)
 class _RowsLayout:
   """Static shape of the per-query-head rows a call folds in: `groups` query heads a KV head,
-  `length` rows a head (>= block), read `block` at a time, `blocks_per_split` blocks a program."""
+  `length` rows a head (>= block), read `block` at a time, one block a program from split
+  `first_split` on (the splits before it hold the shared keys).
+
+  Why programs of their own: folded into the shared keys' programs (a few blocks each, all of
+  a group's heads in turn) the kernel's programs ran several times longer, and the step was
+  slower than with the separate XLA ops (H100, SmolLM2 shapes at 4K: 2.22 against 1.94 ms of
+  device time a step; experiments/results/bench_step_contention_rows_*.md)."""
   groups: int
   length: int
   block: int
-  blocks_per_split: int
+  first_split: int
 
 
 def _visit_rows(
@@ -94,18 +100,19 @@ def _visit_rows(
     scale: float,
     rows: _RowsLayout,
 ):
-  """Folds this program's share of the group's own rows (blocks split * blocks_per_split onward)
-  into the carry: query row g attends only query head h * groups + g's rows, in float32 at
-  HIGHEST precision (as ops.rows_attention does). A row's m may stay -inf (no valid row yet):
-  the update shifts by 0 there instead of producing NaN."""
+  """Folds this program's block of the group's own rows (block split - first_split; none for the
+  shared keys' splits) into the carry: query row g attends only query head h * groups + g's
+  rows, at the shared keys' precision (storage dtype, float32 accumulation; HIGHEST for float32
+  storage). A row's m may stay -inf (no valid row): the update shifts by 0 there, not NaN."""
   gp = q_ref.shape[0]
-  q32 = q_ref[...].astype(jnp.float32)
+  dtype = rows_k_ref.dtype
+  q = q_ref[...].astype(dtype)
   head_row = lax.broadcasted_iota(jnp.int32, (gp,), 0)
-  exact = lax.Precision.HIGHEST
+  precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   n, br = rows.length, rows.block
   num_blocks = pl.cdiv(n, br)
-  first = split * rows.blocks_per_split
-  last = jnp.minimum(first + rows.blocks_per_split, num_blocks)
+  first = jnp.where(split >= rows.first_split, split - rows.first_split, num_blocks)
+  last = jnp.minimum(first + 1, num_blocks)
 
   def body(i, carry):
     acc, m_prev, l_prev = carry
@@ -118,19 +125,19 @@ def _visit_rows(
     for g in range(rows.groups):  # static: a few heads a group
       head = h * rows.groups + g
       valid = fresh & (rows_ids_ref[layer, b, head, pl.ds(blk, br)] >= 0)  # [br]
-      k = rows_k_ref[layer, b, head, pl.ds(blk, br), :].astype(jnp.float32)  # [br, D]
-      s_g = lax.dot_general(q32, k, (((1,), (1,)), ((), ())), precision=exact,
+      k = rows_k_ref[layer, b, head, pl.ds(blk, br), :]  # [br, D]
+      s_g = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [Gp, br]
       s = jnp.where((head_row == g)[:, None] & valid[None, :], s_g, s)
-      v = rows_v_ref[layer, b, head, pl.ds(blk, br), :].astype(jnp.float32)
-      values.append(jnp.where(valid[:, None], v, 0.0))  # an empty row's NaN cannot leak
+      v = rows_v_ref[layer, b, head, pl.ds(blk, br), :]
+      values.append(jnp.where(valid[:, None], v, jnp.zeros_like(v)))  # an empty row's NaN cannot leak
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
     shift = jnp.where(m_next == _NEG_INF, 0.0, m_next)
     alpha = jnp.exp(m_prev - shift)
     p = jnp.exp(s - shift[:, None])  # [Gp, br]; exactly 0 off each row's own head
     acc = alpha[:, None] * acc
     for g, v in enumerate(values):
-      acc = acc + jnp.dot(jnp.where((head_row == g)[:, None], p, 0.0), v, precision=exact,
+      acc = acc + jnp.dot(jnp.where((head_row == g)[:, None], p, 0.0).astype(dtype), v, precision=precision,
                           preferred_element_type=jnp.float32)
     return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
@@ -266,17 +273,18 @@ def _partial_attention_pallas(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - groups), (0, 0)))
 
   # The combine kernel reads all splits as one Triton block: a power of two. Programs past
-  # the last real split find no keys and write empty residuals (lse = -inf), or fold rows in.
-  grid_splits = pl.next_power_of_2(num_splits) if num_splits > 1 else 1
+  # the last real split find no keys and write empty residuals (lse = -inf). Rows get one
+  # program a block after the shared keys' splits.
   rows = None
   row_operands, row_specs = (), []
+  programs = num_splits
   if rows_k is not None:
     rows_k, rows_v, rows_ids = _pad_rows(rows_k, rows_v, rows_ids)
     n = rows_k.shape[3]
-    block_r = min(_ROWS_BLOCK, _pow2_floor(n))
-    rows = _RowsLayout(groups=groups, length=n, block=block_r,
-                       blocks_per_split=pl.cdiv(pl.cdiv(n, block_r), grid_splits))
+    rows = _RowsLayout(groups=groups, length=n, block=min(_ROWS_BLOCK, _pow2_floor(n)), first_split=num_splits)
+    programs += pl.cdiv(n, rows.block)
     row_operands, row_specs = (rows_k, rows_v, rows_ids), [pl.no_block_spec] * 3
+  grid_splits = pl.next_power_of_2(programs) if programs > 1 else 1
   kernel = functools.partial(
       _kernel, scale=scale, block_k=block_k, split_len=split_len, seq_len=seq_len, second=second, rows=rows)
   compiler_params = None

@@ -118,17 +118,18 @@ class PartialAttentionTest:
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_two), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_two), atol=2e-5, rtol=2e-5)
 
-  # (layers, group, kv_heads, seq_len, rows a head, num_splits): rows fewer than a tile (padded),
-  # ragged against the 32-row block, spread over more programs than hold ring keys
-  ROW_CASES = [(None, 3, 1, 40, 37, None), (3, 3, 2, 100, 70, 4), (None, 4, 2, 33, 8, 2), (2, 1, 4, 200, 96, 8)]
+  # (layers, group, kv_heads, seq_len, rows a head, num_splits, dtype): rows fewer than a tile
+  # (padded), ragged against the 32-row block, bfloat16 storage
+  ROW_CASES = [(None, 3, 1, 40, 37, None, jnp.float32), (3, 3, 2, 100, 70, 4, jnp.float32),
+               (None, 4, 2, 33, 8, 2, jnp.float32), (2, 1, 4, 200, 96, 8, jnp.bfloat16)]
 
   @pytest.mark.parametrize("case", ROW_CASES, ids=str)
   def test_rows_match_reference(self, case):
     """Each query head's own rows in the same call == one softmax over the union (reference) ==
     the shared keys and the rows attended apart and merged. Empty rows hold NaN; sequence 0 has
     no shared keys and its head 0 no rows (empty: o = 0, lse = -inf); its head 1 rows only."""
-    layers, group, kv_heads, seq_len, n, num_splits = case
-    batch, head_dim, dtype = 2, 64, jnp.float32
+    layers, group, kv_heads, seq_len, n, num_splits, dtype = case
+    batch, head_dim = 2, 64
     q_heads = group * kv_heads
     q, k, v, _, _ = _make_case(zlib.crc32(repr(case).encode()), batch, q_heads, kv_heads, seq_len, head_dim, dtype,
                                layers=layers, poison=False)
