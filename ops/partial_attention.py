@@ -77,9 +77,9 @@ class _RowsLayout:
   `first_split` on (the splits before it hold the shared keys).
 
   Why programs of their own: folded into the shared keys' programs (a few blocks each, all of
-  a group's heads in turn) the kernel's programs ran several times longer, and the step was
-  slower than with the separate XLA ops (H100, SmolLM2 shapes at 4K: 2.22 against 1.94 ms of
-  device time a step; experiments/results/bench_step_contention_rows_*.md)."""
+  a group's heads in turn, float32 dots) the step took more GPU time than with the separate XLA
+  ops, not less (H100, SmolLM2 shapes at 4K: 2.22 against 1.94 ms a step; with programs of their
+  own 1.67 against 1.93; experiments/results/bench_step_contention_rows_*.md)."""
   groups: int
   length: int
   block: int
@@ -141,7 +141,7 @@ def _visit_rows(
                           preferred_element_type=jnp.float32)
     return acc, m_next, alpha * l_prev + jnp.sum(p, axis=1)
 
-  return lax.fori_loop(first, last, body, carry)
+  return lax.fori_loop(first, last, body, carry)  # one block, or none
 
 
 def _kernel(
