@@ -593,19 +593,21 @@ def partial_attention_reference(
   hp = lax.Precision.HIGHEST
   qg = q.astype(jnp.float32).reshape(batch, kv_heads, groups, head_dim)
   s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=hp) * scale
-  valid = jnp.broadcast_to(_in_intervals(seq_len, starts, lengths, starts2, lengths2)[:, None, None, :], s.shape)
-  v32 = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None], (batch, kv_heads, groups, seq_len, head_dim))
+  valid = _in_intervals(seq_len, starts, lengths, starts2, lengths2)[:, None, None, :]  # [B, 1, 1, S]
+  v32 = v.astype(jnp.float32)[:, :, None]  # [B, Hkv, 1, S, D]: shared by the group
   if rows_k is not None:  # each query head's own rows join its set: one softmax over the union
     rk, rv, rids = (_select_layer(x, layer) for x in (rows_k, rows_v, rows_ids))
     own_shape = (batch, kv_heads, groups, rk.shape[2])
     s_own = jnp.einsum("bkgd,bkgnd->bkgn", qg, rk.astype(jnp.float32).reshape(*own_shape, head_dim),
                        precision=hp) * scale
     s = jnp.concatenate([s, s_own], axis=-1)
-    valid = jnp.concatenate([valid, (rids >= 0).reshape(own_shape)], axis=-1)
-    v32 = jnp.concatenate([v32, rv.astype(jnp.float32).reshape(*own_shape, head_dim)], axis=-2)
+    valid = jnp.concatenate([jnp.broadcast_to(valid, own_shape[:3] + (seq_len,)), (rids >= 0).reshape(own_shape)],
+                            axis=-1)
+    v32 = jnp.concatenate([jnp.broadcast_to(v32, own_shape[:3] + (seq_len, head_dim)),
+                           rv.astype(jnp.float32).reshape(*own_shape, head_dim)], axis=-2)
   s = jnp.where(valid, s, _NEG_INF)
   lse = jax.nn.logsumexp(s, axis=-1)  # -inf for an empty set
   p = jnp.where(valid, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
   v32 = jnp.where(valid[..., None], v32, 0.0)
-  o = jnp.einsum("bkgs,bkgsd->bkgd", p, v32, precision=hp)
+  o = jnp.einsum("bkgs,bkgsd->bkgd", p, v32, precision=hp)  # g broadcasts when v32's is 1
   return o.reshape(batch, q_heads, head_dim), lse.reshape(batch, q_heads)
