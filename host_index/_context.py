@@ -284,7 +284,7 @@ class HostContext:
             future.result()
 
     def insert(self, seq: int, layer: int, start: int, keys, values, *, queries=None,
-               threads=None) -> int:
+               ef: int | None = None, threads=None) -> int:
         """Stores tokens and adds them to every index of (seq, layer).
 
         The indexes of (seq, layer) are extended in one C call, one thread per
@@ -297,6 +297,8 @@ class HostContext:
                 new key through it (its training query; with roar_heads="kv"
                 through the mean of its group's G queries, see `insert_many`);
                 other kinds ignore it.
+            ef: graph and roar inserts' candidate list (default: the index's ef_insert;
+                see `insert_many`).
             threads: OpenMP threads (default: all; at most one per index head).
 
         Returns:
@@ -309,10 +311,10 @@ class HostContext:
                 raise ValueError(f"{name} {a.shape} must be [num_kv_heads, n, head_dim]")
         q = None if queries is None else np.asarray(queries)[None]
         return int(self.insert_many([seq], [layer], [start], keys[None], values[None],
-                                    queries=q, threads=threads)[0])
+                                    queries=q, ef=ef, threads=threads)[0])
 
     def insert_many(self, seqs, layers, starts, keys, values, *, queries=None,
-                    threads=None) -> np.ndarray:
+                    ef: int | None = None, threads=None) -> np.ndarray:
         """Stores tokens of several (seq, layer)s and extends all their indexes in one call.
 
         E.g. the token leaving the device window of every sequence in a layer,
@@ -332,6 +334,10 @@ class HostContext:
                 per token (the C insert searches with it once), and the mean
                 ranks keys by the group's mean score q.k, the one direction that
                 serves all G heads equally.
+            ef: the candidate list of each graph or roar insert's beam searches, this
+                call only (default None: the index's `ef_insert`); ivf and flat ignore
+                it. Smaller is cheaper and links the new keys less well
+                (experiments/results/bench_insert_smollm2_8k.md).
             threads: OpenMP threads (default: all; at most one per index).
 
         Returns:
@@ -374,6 +380,7 @@ class HostContext:
             if self.kind == "roar":  # others ignore them
                 q = self._insert_queries(queries, qshape)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
+        ef = _insert_ef(ef)
         new = np.zeros(T, np.int64)
         done = 0
         try:
@@ -383,10 +390,11 @@ class HostContext:
                 new[i] = self.store.append(s, l, st, keys[i], values[i], threads=threads)
                 done = i + 1
         finally:
-            self._extend(seqs[:done], layers[:done], starts[:done], q, nthreads)
+            self._extend(seqs[:done], layers[:done], starts[:done], q, nthreads, ef)
         return new
 
-    def index_stored(self, seqs, layers, *, queries=None, threads=None, yield_to_foreground: bool = False) -> float:
+    def index_stored(self, seqs, layers, *, queries=None, ef: int | None = None, threads=None,
+                     yield_to_foreground: bool = False) -> float:
         """Indexes the stored but not yet indexed tokens of several (seq, layer)s, one C call.
 
         Decoding appends each token leaving the device window with `append` (a copy, on
@@ -399,6 +407,7 @@ class HostContext:
                 (roar links a new key through its own query, or with roar_heads="kv"
                 through its group's mean query, as `insert_many`; other kinds ignore
                 them). Every pair must then have exactly n unindexed tokens.
+            ef: the inserts' candidate list (default: the index's ef_insert; see `insert_many`).
             threads: OpenMP threads (default: all; at most one per index).
             yield_to_foreground: each index's insert first waits while any search, slot
                 selection, row gather or host attention of this process runs (a background
@@ -408,6 +417,7 @@ class HostContext:
             The seconds the inserts waited so, summed over the threads (0 without yielding).
         """
         self.store._require_floats("HostContext.index_stored")
+        ef = _insert_ef(ef)
         seqs, layers = ([int(x) for x in _dtypes.as_ids(np.atleast_1d(a), name, ndim=1)]
                         for a, name in ((seqs, "seqs"), (layers, "layers")))
         if len(seqs) != len(layers) or len(set(zip(seqs, layers))) != len(seqs):
@@ -427,7 +437,7 @@ class HostContext:
                                  f"({sorted(pending)})")
             q = self._insert_queries(queries, qshape)
         nthreads = 0 if threads is None else _dtypes.positive_int(threads, "threads")
-        return self._extend(seqs, layers, starts, q, nthreads, yield_to_foreground=bool(yield_to_foreground))
+        return self._extend(seqs, layers, starts, q, nthreads, ef, yield_to_foreground=bool(yield_to_foreground))
 
     def _insert_queries(self, queries, qshape):
         """Validated float32 queries [T, Hidx, n, D], one row per token and index head.
@@ -443,12 +453,13 @@ class HostContext:
                 axis=2, dtype=np.float32))
         return q
 
-    def _extend(self, seqs, layers, starts, q, nthreads, *, yield_to_foreground: bool = False) -> float:
+    def _extend(self, seqs, layers, starts, q, nthreads, ef: int, *, yield_to_foreground: bool = False) -> float:
         """Indexes every stored token of the (seq, layer)s in one C call -> the seconds it waited
         for foreground calls (see index_stored).
 
         The (seq, layer)s are checked by the callers (insert_many, index_stored). q: [T, Hidx, n, D]
-        float32 (rows of tokens starts[i] ..., one per index head) or None.
+        float32 (rows of tokens starts[i] ..., one per index head) or None. ef: 0 (each
+        index's ef_insert) or the inserts' candidate list.
         """
         kv_of = [h // self.group if self.per_q_head else h for h in range(self.index_heads)]
         jobs = []  # one (index, K, kv head, cap, total, qstart, qrows) per index behind its store
@@ -459,7 +470,7 @@ class HostContext:
                     jobs.append((c, k, kv_of[h], k.shape[1], total, st, None if q is None else q[i, h]))
         if not jobs:
             return 0.0
-        return _core.insert_many(*zip(*jobs), self.store.code, nthreads, yield_to_foreground)
+        return _core.insert_many(*zip(*jobs), self.store.code, ef, nthreads, yield_to_foreground)
 
     # -- compute ---------------------------------------------------------------
 
@@ -731,6 +742,11 @@ def _build_head(ix, n, h, G, train_queries, train_topk, candidates, threads) -> 
     every core builds."""
     tq, tk = (None if a is None else group_rows(a, h, G) for a in (train_queries, train_topk))
     ix.prepare_build(n, train_queries=tq, train_topk=tk, connect_candidates=candidates)(threads)
+
+
+def _insert_ef(ef) -> int:
+    """An insert's `ef` argument -> the C call's: 0 for None (each index's ef_insert)."""
+    return 0 if ef is None else _dtypes.positive_int(ef, "ef")
 
 
 def _covered(indexes) -> int:

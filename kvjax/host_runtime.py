@@ -226,13 +226,17 @@ class HostRuntime:
   index_yields: the background indexing pauses (between its per-index tasks) while a search, slot
     selection, row gather or host attention runs (host_index/csrc/hi_gate.h): it then runs in the
     critical path's gaps instead of beside its C calls.
+  ef_insert: the candidate list of the decode-time inserts' beam searches (None: the indexes' own
+    ef_insert, 64 for roar; `host_index.HostContext.insert_many`).
   """
 
   def __init__(self, context: host_index.HostContext, *, sinks: int, window: int, topk: int, ef: int | None,
                scale: float, speculative: bool = False, tau: float = 0.8, background_threads: int | None = None,
-               background_nice: int = 0, worker_cores: frozenset[int] | None = None, index_yields: bool = False):
+               background_nice: int = 0, worker_cores: frozenset[int] | None = None, index_yields: bool = False,
+               ef_insert: int | None = None):
     self.context = context
     self.sinks, self.window, self.topk, self.ef, self.scale = sinks, window, topk, ef, scale
+    self.ef_insert = ef_insert
     self.speculative, self.tau = speculative, tau
     self.background_threads = default_background_threads() if background_threads is None else int(
         background_threads)
@@ -346,8 +350,8 @@ class HostRuntime:
     t0 = time.perf_counter()
     for pairs, queries in groups:
       self.stats.index_yield_seconds += self.context.index_stored(
-          [seq for seq, _ in pairs], [l for _, l in pairs], queries=queries, threads=self.background_threads,
-          yield_to_foreground=self.index_yields)
+          [seq for seq, _ in pairs], [l for _, l in pairs], queries=queries, ef=self.ef_insert,
+          threads=self.background_threads, yield_to_foreground=self.index_yields)
     t1 = time.perf_counter()
     self.stats.index_seconds += t1 - t0
     if search_queries is None:

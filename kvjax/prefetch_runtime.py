@@ -596,7 +596,7 @@ class PrefetchRuntime(HostRuntime):
       return indexed
     for pair in late:
       q = np.stack(self._unindexed_queries.pop(pair), axis=1)[None]  # [1, Hq, n, D]
-      self.context.index_stored([pair[0]], [pair[1]], queries=q, threads=self.background_threads)
+      self.context.index_stored([pair[0]], [pair[1]], queries=q, ef=self.ef_insert, threads=self.background_threads)
     return self.context.indexed_counts()
 
   def _submit_background(self, layer: int, search_queries) -> None:

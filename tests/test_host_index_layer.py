@@ -386,6 +386,42 @@ def test_ef_insert(kind):
         hi.HostContext(1, 1, HQ, HKV, D, kind="ivf", index_params={"ef_insert": 8})
 
 
+@pytest.mark.parametrize("kind", ["graph", "roar"])
+def test_a_calls_ef_overrides_the_index_ef_insert_for_that_call(kind):
+    """insert / index_stored(ef=e) link new keys exactly as an index built with ef_insert=e
+    does (decode's ef_insert option on a context built or loaded with another), and only
+    for that call: the next call without ef uses the index's own again."""
+    own = hi.DEFAULT_PARAMS[kind]["ef_insert"] or hi.DEFAULT_PARAMS[kind]["ef_construction"]
+    small = 6
+    assert small != own
+    override, built_small, built_own = (hi.HostContext(1, 1, HQ, HKV, D, kind=kind, index_params=p)
+                                        for p in ({}, {"ef_insert": small}, {}))
+    k, v, q = new_tokens(1, 120, seed=11)
+    for i in range(0, 60, 10):  # decode-style: a few tokens at a time, from empty
+        override.insert(0, 0, i, k[0, :, i:i + 10], v[0, :, i:i + 10], queries=q[0, :, i:i + 10], ef=small)
+        built_small.insert(0, 0, i, k[0, :, i:i + 10], v[0, :, i:i + 10], queries=q[0, :, i:i + 10])
+        built_own.insert(0, 0, i, k[0, :, i:i + 10], v[0, :, i:i + 10], queries=q[0, :, i:i + 10])
+    assert state(override) == state(built_small) != state(built_own)
+    for ctx in (override, built_small):  # then the deferred path, without ef: each index's own
+        ctx.append(0, 0, 60, k[0, :, 60:], v[0, :, 60:])
+        ctx.index_stored([0], [0], queries=q[:, :, 60:])
+        assert ctx.indexed(0, 0) == 120
+    # Equal graphs before: they part only if `override` went back to its own list (a leaked
+    # small list would keep them equal).
+    assert state(override) != state(built_small)
+    ctx = make(kind, n=80)
+    k2, v2, q2 = new_tokens(1, 2, seed=12)
+    ctx.append(0, 1, 80, k2[0], v2[0])
+    for bad, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="ef"):
+            ctx.index_stored([0], [1], queries=q2, ef=bad)
+        with pytest.raises(error, match="ef"):
+            ctx.insert_many([1], [1], [80], k2, v2, queries=q2, ef=bad)
+    assert ctx.indexed(0, 1) == 80 and ctx.store.length(1, 1) == 80  # refused before any work
+    ctx.index_stored([0], [1], queries=q2, ef=small)
+    assert ctx.indexed(0, 1) == 82
+
+
 @pytest.mark.parametrize("kind", ["ivf", "graph", "roar"])
 def test_a_build_sizes_its_nodes_for_the_reserved_room(kind):
     """A build over a store reserved for decode (KVStore.reserve) sizes its node arrays for that

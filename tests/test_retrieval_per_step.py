@@ -155,6 +155,24 @@ def test_lag_two_is_deterministic_and_differs_from_lag_one():
     assert result.policy_stats["rows_seconds"] > 0 and result.policy_stats["land_seconds"] > 0
 
 
+@pytest.mark.parametrize("ef_insert", [None, 5])
+def test_ef_insert_reaches_every_decode_insert(monkeypatch, ef_insert):
+  """The decode option reaches each insert call (None: the indexes' own list), lag 1 and 2."""
+  seen = []
+  index_stored = host_index.HostContext.index_stored
+
+  def recording(self, *args, **kwargs):
+    seen.append(kwargs.get("ef"))
+    return index_stored(self, *args, **kwargs)
+
+  monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
+  prompt = random_prompt(60, seed=4)
+  for lag in (1, 2):
+    result = run(tiny_model("llama"), prompt, index="graph", topk=4, lag=lag, ef_insert=ef_insert, **PER_STEP)
+    assert result.policy_stats["inserted_tokens"] > 0
+  assert seen and set(seen) == {ef_insert}
+
+
 def test_no_host_callback_inside_the_step(monkeypatch):
   def forbidden(*args):
     raise AssertionError("the per_layer callback ran")
@@ -822,6 +840,9 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(pinned_window=4), "pinned_window=4 applies"),
     (dict(index_threads=4), "index_threads=4"),
     (dict(bridge="per_step", index_yields=1), "index_yields"),
+    (dict(ef_insert=0), "ef_insert=0"),
+    (dict(ef_insert=True), "ef_insert"),
+    (dict(index="ivf", ef_insert=32), "ef_insert=32 applies"),
     (dict(bridge="per_step", search_query="group"), "search_query='group'"),
     (dict(search_query="group_mean", roar_heads="kv"), "search_query='group_mean' applies"),
     (dict(bridge="per_step", speculative=True, refresh="merge", search_query="group_mean", roar_heads="kv"),

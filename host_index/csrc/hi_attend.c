@@ -176,7 +176,7 @@ int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, i
 
 int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t *n_total,
                    const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
-                   int64_t count, int threads, int yield, int64_t *waited_ns) {
+                   int64_t count, int ef, int threads, int yield, int64_t *waited_ns) {
   int err = HI_OK;
   int64_t waited = 0;
   /* A graph insert is 0.1-1 ms: every index is worth a thread. */
@@ -193,10 +193,10 @@ int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t 
       if (queries[i]) {
         const int64_t qs = q_start[i];
         if (qs < 0 || qs > nt || nt - qs > q_rows[i]) e = HI_EINVAL;
-        if (!e && ix->n < qs) e = hi_index_insert(ix, &keys[i], qs, NULL, 1);
+        if (!e && ix->n < qs) e = hi_index_insert(ix, &keys[i], qs, NULL, ef, 1);
         if (!e) qq = queries[i] + (ix->n - qs) * (int64_t)ix->dim;
       }
-      if (!e) e = hi_index_insert(ix, &keys[i], nt, qq, 1);
+      if (!e) e = hi_index_insert(ix, &keys[i], nt, qq, ef, 1);
     }
     pthread_rwlock_unlock(&ix->lock);
     if (e) {

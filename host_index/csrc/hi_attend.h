@@ -36,12 +36,13 @@ int hi_attend_ids(const hi_keys_t *keys, const hi_keys_t *vals, int B, int Hq, i
  * index i gets keys keys[i] up to row n_total[i]. queries[i] (or NULL) holds
  * the own queries of rows q_start[i] .. q_start[i] + q_rows[i] - 1 (roar
  * links a new key through them); rows below q_start[i] not yet indexed are
- * indexed first without queries. The indexes must be distinct. With yield,
+ * indexed first without queries. ef: the graph inserts' candidate list (0: each
+ * index's own ef_insert). The indexes must be distinct. With yield,
  * each task first waits for running foreground calls (hi_gate.h); the waits,
  * summed over the threads, go to *waited_ns (when not NULL). */
 int hi_insert_many(hi_index_t *const *idx, const hi_keys_t *keys, const int64_t *n_total,
                    const int64_t *q_start, const float *const *queries, const int64_t *q_rows,
-                   int64_t count, int threads, int yield, int64_t *waited_ns);
+                   int64_t count, int ef, int threads, int yield, int64_t *waited_ns);
 
 /* out_k[p], out_v[p] ([page, dim] each) = rows page_ids[p] * page .. + page - 1 of head
  * heads[p] of store g = group[p]: k[g] / v[g] ([Hkv, cap[g], dim] in one dtype, len[g] rows

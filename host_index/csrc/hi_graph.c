@@ -943,13 +943,14 @@ done:
 /* --- decode-time insert (single writer: the caller holds the write lock) --- */
 
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
-                    const float *queries) {
+                    const float *queries, int ef_override) {
   gctx_t g = {.ix = ix, .keys = keys, .locks = NULL, .metric = ix->p.metric,
               .alpha = ix->p.alpha, .cap = ix->R, .keep_links = ix->kind == HI_ROAR};
   hi_ws_t ws = {0};
   int err = hi_ws_ensure(&ws, n_total, 1, 1, ix->dim);
   const int64_t n0 = ix->n;
-  const int ef = ix->p.ef_insert > 0          ? ix->p.ef_insert
+  const int ef = ef_override > 0             ? ef_override
+                 : ix->p.ef_insert > 0          ? ix->p.ef_insert
                  : ix->kind == HI_GRAPH ? ix->p.ef_construction
                                         : ix->p.L;
   float *xv = malloc((size_t)ix->dim * sizeof(float));

@@ -170,8 +170,9 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
 }
 
 int hi_index_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
-                    const float *queries, int threads) {
+                    const float *queries, int ef, int threads) {
   (void)threads;
+  if (ef < 0) return HI_EINVAL;
   if (keys->dtype == HI_RAW16) return HI_EDTYPE;
   if (n_total < ix->n || n_total > keys->nrows || n_total > INT32_MAX - 1) return HI_EINVAL;
   if (n_total == ix->n) return HI_OK;
@@ -183,7 +184,7 @@ int hi_index_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
     case HI_FLAT: ix->n = n_total; return HI_OK;
     case HI_IVF: return hi_ivf_insert(ix, keys, n_total);
     case HI_GRAPH:
-    case HI_ROAR: return hi_graph_insert(ix, keys, n_total, queries);
+    case HI_ROAR: return hi_graph_insert(ix, keys, n_total, queries, ef);
     default: return HI_EINVAL;
   }
 }

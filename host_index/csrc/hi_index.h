@@ -99,9 +99,10 @@ int hi_index_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float
                    int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
                    int threads);
 
-/* Add keys ix->n .. n_total-1. queries [n_total - ix->n, dim] or NULL. */
+/* Add keys ix->n .. n_total-1. queries [n_total - ix->n, dim] or NULL. ef: the graph
+ * inserts' candidate list (0: the index's ef_insert; ivf and flat ignore it). */
 int hi_index_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
-                    const float *queries, int threads);
+                    const float *queries, int ef, int threads);
 
 /* Top-k by inner product of one query over ids < min(ix->n, keys->nrows).
  * ids/scores [k], best first, padded with -1 / -inf. *scanned counts
@@ -124,7 +125,7 @@ int hi_roar_build(hi_index_t *ix, const hi_keys_t *keys, int64_t n, const float 
                   int64_t m, const int64_t *topk, int nq, const int32_t *cand, int ncand,
                   int threads);
 int hi_graph_insert(hi_index_t *ix, const hi_keys_t *keys, int64_t n_total,
-                    const float *queries);
+                    const float *queries, int ef);
 int hi_graph_search(const hi_index_t *ix, int64_t n, const hi_keys_t *keys, const float *q,
                     int k, int ef, hi_ws_t *ws, int64_t *ntop, int64_t *scanned);
 

@@ -306,7 +306,7 @@ static PyObject *Index_insert(IndexObject *self, PyObject *args) {
   if (q && qb.len < (Py_ssize_t)((n_total - self->ix.n) * self->ix.dim * 4))
     err = HI_EINVAL;
   else
-    err = hi_index_insert(&self->ix, &kv, n_total, q, threads);
+    err = hi_index_insert(&self->ix, &kv, n_total, q, 0, threads);
   pthread_rwlock_unlock(&self->ix.lock);
   Py_END_ALLOW_THREADS PyBuffer_Release(&kb);
   if (qb.obj) PyBuffer_Release(&qb);
@@ -721,21 +721,26 @@ out:
   return ret;
 }
 
-/* insert_many(indexes, kbufs, heads, caps, n_totals, q_starts, queries, dtype, threads, yield):
+/* insert_many(indexes, kbufs, heads, caps, n_totals, q_starts, queries, dtype, ef, threads, yield):
  * index i (distinct) reads head heads[i] of kbufs[i] ([Hkv, cap, dim]) and is
  * extended to n_totals[i]; queries[i] is None or [rows, dim] float32, the own
- * queries of rows q_starts[i] ... (see hi_insert_many). With yield, each index
+ * queries of rows q_starts[i] ... (see hi_insert_many); ef: the graph inserts' candidate
+ * list (0: each index's ef_insert). With yield, each index
  * waits for running foreground calls first (hi_gate.h). Returns the seconds
  * waited so, summed over the threads. */
 static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
   (void)mod;
   PyObject *ixs, *kbs, *hs, *caps, *nts, *qss, *qs;
-  int dtype, threads, yield;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!iip", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
+  int dtype, ef, threads, yield;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!iiip", &PyTuple_Type, &ixs, &PyTuple_Type, &kbs,
                         &PyTuple_Type, &hs, &PyTuple_Type, &caps, &PyTuple_Type, &nts,
-                        &PyTuple_Type, &qss, &PyTuple_Type, &qs, &dtype, &threads, &yield) ||
+                        &PyTuple_Type, &qss, &PyTuple_Type, &qs, &dtype, &ef, &threads, &yield) ||
       check_dtype(dtype) < 0)
     return NULL;
+  if (ef < 0) {
+    PyErr_SetString(PyExc_ValueError, "insert_many: ef must be >= 0");
+    return NULL;
+  }
   const Py_ssize_t C = PyTuple_GET_SIZE(ixs);
   if (PyTuple_GET_SIZE(kbs) != C || PyTuple_GET_SIZE(hs) != C || PyTuple_GET_SIZE(caps) != C ||
       PyTuple_GET_SIZE(nts) != C || PyTuple_GET_SIZE(qss) != C || PyTuple_GET_SIZE(qs) != C) {
@@ -791,7 +796,7 @@ static PyObject *py_insert_many(PyObject *mod, PyObject *args) {
   }
   int err;
   int64_t waited = 0;
-  Py_BEGIN_ALLOW_THREADS err = hi_insert_many(idx, kv, nt, q0, qp, qr, C, threads, yield, &waited);
+  Py_BEGIN_ALLOW_THREADS err = hi_insert_many(idx, kv, nt, q0, qp, qr, C, ef, threads, yield, &waited);
   Py_END_ALLOW_THREADS if (raise_err(err) == 0) ret = PyFloat_FromDouble((double)waited * 1e-9);
 out:
   for (int i = 0; i < nb; i++) PyBuffer_Release(&bufs[i]);

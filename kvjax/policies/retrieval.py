@@ -293,6 +293,11 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   index_yields: the background indexing pauses while the host's searches, slot selection, row
     gathers and attention run, and works in their gaps (host_index/csrc/hi_gate.h; default off
     until measured on a GPU host).
+  ef_insert: graph and roar indexes: the candidate list of each decode-time insert's beam searches
+    (roar: one with the key, one with its group's mean query), a decode option (default None: the
+    index's own, 64 for roar). The indexing is the largest host load of a long decode: 90 inserts
+    a step for SmolLM2 shapes; 32 costs 62% of 64's time an insert for 2.3 points less recall of
+    the inserted keys at 8K (experiments/results/bench_insert_smollm2_8k.md).
   """
 
   index: str = "roar"
@@ -323,12 +328,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   index_threads: int | None = None
   reserved_cores: int | None = None
   index_yields: bool = False
+  ef_insert: int | None = None
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "refresh",
-                    "search_query", "group_rows", "background_nice", "index_threads", "reserved_cores", "index_yields")
+                    "search_query", "group_rows", "background_nice", "index_threads", "reserved_cores", "index_yields",
+                    "ef_insert")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -341,7 +348,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     checks.integer(self.sinks, "sinks", low=0)
     checks.integer(self.successor_sources, "successor_sources", low=1)
     checks.integer(self.lag, "lag")
-    for field, low in (("ef", 1), ("successors", 0), ("index_threads", None), ("reserved_cores", None)):
+    for field, low in (("ef", 1), ("ef_insert", 1), ("successors", 0), ("index_threads", None),
+                       ("reserved_cores", None)):
       if getattr(self, field) is not None:
         checks.integer(getattr(self, field), field, low=low)
     checks.boolean(self.speculative, "speculative")
@@ -387,6 +395,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.roar_heads == "kv" and self.index != "roar":
       raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
     host_runtime.check_background_nice(self.background_nice)
+    if self.ef_insert is not None and self.index not in ("graph", "roar"):
+      raise ValueError(f"ef_insert={self.ef_insert} applies to index='graph' or 'roar', not {self.index!r}")
     if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
       raise ValueError(f"index_threads={self.index_threads} must be >= 1 and applies to bridge='per_step'")
     if self.reserved_cores is not None and (self.bridge != "per_step" or self.reserved_cores < 0):
@@ -422,6 +432,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
+    index += f", inserts at ef {self.ef_insert}" if self.ef_insert is not None else ""
     searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
     shared = ", each head attending its KV group's rows" if self.group_rows else ""
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
@@ -475,7 +486,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
-                  background_nice=self.background_nice, index_yields=self.index_yields)
+                  background_nice=self.background_nice, index_yields=self.index_yields, ef_insert=self.ef_insert)
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
