@@ -98,6 +98,7 @@ POLICIES = {
     "retrieval_step_lag2_kv_spec_r2_yield": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "index_yields": True}),
     # the decode-time inserts' candidate list (ef_insert; the indexes' own is 64): the indexing is
     # the largest host load beside the step; with 2 cores reserved too
+    "retrieval_step_lag2_kv_spec_ei48": ("retrieval", _STEP_SPEC | {"ef_insert": 48}),
     "retrieval_step_lag2_kv_spec_ei32": ("retrieval", _STEP_SPEC | {"ef_insert": 32}),
     "retrieval_step_lag2_kv_spec_ei16": ("retrieval", _STEP_SPEC | {"ef_insert": 16}),
     "retrieval_step_lag2_kv_spec_r2_ei32": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "ef_insert": 32}),
