@@ -62,7 +62,9 @@ def test_bad_flag_values_fail_before_any_work(tmp_path):
            (["--policy=quest", "--budget=10"], "budget=10 is smaller than the sinks"),
            (["--policy=retrieval", "--dense_layers=1.5"], "--dense_layers=1.5: layer ids are integers"),
            (["--policy=retrieval", "--refresh=merge"], "refresh='merge' applies to bridge='per_step' with speculative"),
-           (["--policy=retrieval", "--bridge=per_step", "--tail_slots=0"], "tail_slots=0")]
+           (["--policy=retrieval", "--bridge=per_step", "--tail_slots=0"], "tail_slots=0"),
+           (["--policy=retrieval", "--ef_insert=0"], "ef_insert=0"),
+           (["--policy=retrieval", "--index=ivf", "--ef_insert=32"], "ef_insert=32 applies to index='graph' or 'roar'")]
   for flags, message in cases:
     bad = decode("--model=random:tiny", *flags, timeout=300)
     assert bad.returncode != 0 and message in bad.stderr, (flags, bad.stderr[-500:])
