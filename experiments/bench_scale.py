@@ -96,8 +96,10 @@ POLICIES = {
     # (host_index/csrc/hi_gate.h), without and with 2 cores reserved for the launching thread
     "retrieval_step_lag2_kv_spec_yield": ("retrieval", _STEP_SPEC | {"index_yields": True}),
     "retrieval_step_lag2_kv_spec_r2_yield": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "index_yields": True}),
-    # the decode-time inserts' candidate list (ef_insert; the indexes' own is 64): the indexing is
-    # the largest host load beside the step; with 2 cores reserved too
+    # the decode-time inserts' candidate list (ef_insert): the indexing is the largest host load beside
+    # the step. 64 (roar's build-time list) was the default until session 48, 32 since (_ei32 names it
+    # for the runs before); with 2 cores reserved too
+    "retrieval_step_lag2_kv_spec_ei64": ("retrieval", _STEP_SPEC | {"ef_insert": 64}),
     "retrieval_step_lag2_kv_spec_ei48": ("retrieval", _STEP_SPEC | {"ef_insert": 48}),
     "retrieval_step_lag2_kv_spec_ei32": ("retrieval", _STEP_SPEC | {"ef_insert": 32}),
     "retrieval_step_lag2_kv_spec_ei16": ("retrieval", _STEP_SPEC | {"ef_insert": 16}),

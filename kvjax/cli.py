@@ -110,8 +110,9 @@ def define_flags() -> None:
                        "working while the device computes, so they yield the cores to the kernel launches (default "
                        "10; 0: unchanged).")
   flags.DEFINE_integer("ef_insert", None, "retrieval (graph, roar): candidate list of each decode-time insert's "
-                       "beam searches (default: the index's own, 64 for roar); 32 took a 128K token from 1.56x to "
-                       "1.35x full's time on an H100 for 2.3 points less recall of the inserted keys at 8K.")
+                       "beam searches (default: 32 for roar, the index's own for graph); roar's build-time 64 (the "
+                       "default until session 48) took 1.56-1.59x full's time a token at 128K against 1.28-1.35x, "
+                       "for 2.3 points more recall of the inserted keys at 8K.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

@@ -155,9 +155,17 @@ def test_lag_two_is_deterministic_and_differs_from_lag_one():
     assert result.policy_stats["rows_seconds"] > 0 and result.policy_stats["land_seconds"] > 0
 
 
-@pytest.mark.parametrize("ef_insert", [None, 5])
-def test_ef_insert_reaches_every_decode_insert(monkeypatch, ef_insert):
-  """The decode option reaches each insert call (None: the indexes' own list), lag 1 and 2."""
+def test_ef_insert_defaults_to_32_for_roar_only():
+  """None resolves at use: DEFAULT_ROAR_EF_INSERT (32) for roar, the index's own for graph."""
+  assert RetrievalAttention().insert_ef == 32 and "inserts at ef 32" in RetrievalAttention().describe()
+  assert RetrievalAttention(ef_insert=64).insert_ef == 64
+  assert RetrievalAttention(index="graph").insert_ef is None
+  assert RetrievalAttention(index="flat").insert_ef is None and "inserts" not in RetrievalAttention(index="flat").describe()
+
+
+@pytest.mark.parametrize("index, ef_insert, expected", [("graph", None, None), ("graph", 5, 5), ("roar", None, 32)])
+def test_ef_insert_reaches_every_decode_insert(monkeypatch, index, ef_insert, expected):
+  """The decode option reaches each insert call (None: roar's default, graph's own list), lag 1 and 2."""
   seen = []
   index_stored = host_index.HostContext.index_stored
 
@@ -168,9 +176,9 @@ def test_ef_insert_reaches_every_decode_insert(monkeypatch, ef_insert):
   monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
   prompt = random_prompt(60, seed=4)
   for lag in (1, 2):
-    result = run(tiny_model("llama"), prompt, index="graph", topk=4, lag=lag, ef_insert=ef_insert, **PER_STEP)
+    result = run(tiny_model("llama"), prompt, index=index, topk=4, lag=lag, ef_insert=ef_insert, **PER_STEP)
     assert result.policy_stats["inserted_tokens"] > 0
-  assert seen and set(seen) == {ef_insert}
+  assert seen and set(seen) == {expected}
 
 
 def test_no_host_callback_inside_the_step(monkeypatch):

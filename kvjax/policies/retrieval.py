@@ -168,6 +168,7 @@ def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or Non
 
 DEFAULT_PINNED = 16  # per_step's pinned ids per query head (RetrievalAttention.pinned)
 DEFAULT_PIN_WINDOW = 32  # per_step's prompt queries choosing them (RetrievalAttention.pinned_window)
+DEFAULT_ROAR_EF_INSERT = 32  # decode-time inserts' candidate list with roar (RetrievalAttention.ef_insert)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,10 +295,16 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     gathers and attention run, and works in their gaps (host_index/csrc/hi_gate.h; default off
     until measured on a GPU host).
   ef_insert: graph and roar indexes: the candidate list of each decode-time insert's beam searches
-    (roar: one with the key, one with its group's mean query), a decode option (default None: the
-    index's own, 64 for roar). The indexing is the largest host load of a long decode: 90 inserts
-    a step for SmolLM2 shapes; 32 costs 62% of 64's time an insert for 2.3 points less recall of
-    the inserted keys at 8K (experiments/results/bench_insert_smollm2_8k.md).
+    (roar: one with the key, one with its group's mean query), a decode option. Default None:
+    DEFAULT_ROAR_EF_INSERT (32) for roar, the index's own (ef_construction, 200) for graph. Why 32
+    and not roar's build-time 64 (the default until session 48): the indexing is the largest host
+    load of a long decode (90 inserts a step at SmolLM2 shapes) and the host threads beside the
+    jitted step set its length; at 128K on two H100 machines 32 took retrieval per_step lag 2
+    --speculative from 1.56x / 1.59x full's time a token to 1.35x / 1.28x
+    (experiments/results/bench_scale_smollm2shapes_synthetic_128k_s48_ef_insert*.md). The cost: at
+    8K on SmolLM2 vectors with 1024 keys inserted, 2.3-2.4 points less recall@100 of the inserted
+    keys (0.90 against 0.92) and 1.3 points less overall (0.91 against 0.92;
+    bench_insert_smollm2_8k*.md); 48 loses 0.5 points there but its 128K rows spread (1.26x / 1.59x).
   """
 
   index: str = "roar"
@@ -328,7 +335,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   index_threads: int | None = None
   reserved_cores: int | None = None
   index_yields: bool = False
-  ef_insert: int | None = None
+  ef_insert: int | None = None  # None: DEFAULT_ROAR_EF_INSERT for roar (see `insert_ef`)
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
@@ -404,6 +411,15 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     object.__setattr__(self, "dense_layers", checks.layer_ids(self.dense_layers, "dense_layers"))
 
   @property
+  def insert_ef(self) -> int | None:
+    """The decode-time inserts' candidate list: `ef_insert`, or DEFAULT_ROAR_EF_INSERT for roar;
+    None (each index's own) otherwise. Resolved at use, so a context saved before this default
+    changed (session 48) decodes with it too."""
+    if self.ef_insert is not None:
+      return self.ef_insert
+    return DEFAULT_ROAR_EF_INSERT if self.index == "roar" else None
+
+  @property
   def pinned_per_head(self) -> int:
     """`pinned`, or its default: DEFAULT_PINNED (at most topk) with per_step, else 0. Resolved
     here, not stored, so a context loaded with another topk gets that topk's default."""
@@ -432,7 +448,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
-    index += f", inserts at ef {self.ef_insert}" if self.ef_insert is not None else ""
+    index += f", inserts at ef {self.insert_ef}" if self.insert_ef is not None else ""
     searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
     shared = ", each head attending its KV group's rows" if self.group_rows else ""
     return (f"retrieval(index={index}, device: sinks {self.sinks} + window {self.window}, "
@@ -486,7 +502,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if context.kind != self.index:
       raise ValueError(f"the host context holds {context.kind!r} indexes, but index={self.index!r}")
     common = dict(sinks=self.sinks, window=self.window, topk=self.topk, ef=self.ef, scale=cfg.attn_scale,
-                  background_nice=self.background_nice, index_yields=self.index_yields, ef_insert=self.ef_insert)
+                  background_nice=self.background_nice, index_yields=self.index_yields, ef_insert=self.insert_ef)
     if self.bridge == "per_step":
       return prefetch_runtime.PrefetchRuntime(context, tail_slots=self.tail_slots, successors=self.successors,
                                               successor_sources=self.successor_sources,
