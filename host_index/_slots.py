@@ -83,7 +83,7 @@ class Selection(NamedTuple):
     ids: np.ndarray  # the id each such slot now holds, -1 = emptied
     rows: np.ndarray  # the row (t * B + b) * H + h each write belongs to
     retrieved: np.ndarray  # each row's found then tail ids, -1 padded
-    hits: int  # valid `used` ids of the scored rows among their found ids
+    hits: int  # valid `used` ids of the scored rows that their own selection holds: found or tail ids
     total: int  # valid `used` ids of the scored rows
 
 
@@ -115,7 +115,8 @@ def select_slots(held, layers, found, seen, stored, *, tail: int, age=None, sour
         pins: [T, B, H, p] int span starts, -1 = none (default: none).
         span: ids per pin, >= 1.
         used: [T, B, H, m] int ids of an earlier selection, -1 = none; with `score`.
-        score: [T, B, H] bool, the rows whose `used` ids are scored against their found ids.
+        score: [T, B, H] bool, the rows whose `used` ids are scored against their own selection:
+            a hit is a found id or one of the row's tail ids (stored, not yet searchable).
         threads: OpenMP threads (default: all; fewer for small inputs).
 
     Returns:

@@ -40,6 +40,7 @@ POLICY_FLAGS = {
     "host_codec": "host_codec",
     "background_nice": "background_nice",
     "ef_insert": "ef_insert",
+    "index_every": "index_every",
 }
 
 
@@ -113,6 +114,9 @@ def define_flags() -> None:
                        "beam searches (default: 32 for roar, the index's own for graph); roar's build-time 64 (the "
                        "default until session 48) took 1.56-1.59x full's time a token at 128K against 1.28-1.35x, "
                        "for 2.3 points more recall of the inserted keys at 8K.")
+  flags.DEFINE_integer("index_every", None, "retrieval per_step bridge: index each layer's evicted tokens in runs, "
+                       "every this many steps (layers staggered; attended exactly from the tail slots until then); "
+                       "default 1, at most tail_slots // 2.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

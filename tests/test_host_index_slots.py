@@ -155,8 +155,11 @@ def select_reference(held, layers, found, seen, stored, *, used=None, score=None
   order = np.argsort(flat)  # slot order (layers may come in any order)
   flat, ids, rows = flat[order], ids[order], rows[order]
   hits = total = 0
-  if score is not None:
-    hits = int(count_common_reference(used[score], found[score]).sum()) if score.any() else 0
+  if score is not None:  # a hit: a used id the row's own selection holds, a found id or a tail id
+    n = np.broadcast_to(np.asarray(stored)[:, :, None, None], used.shape)
+    in_tail = (used >= seen[..., None]) & (used < seen[..., None] + options["tail"]) & (used < n)
+    in_found = (used[..., :, None] == found[..., None, :]).any(axis=-1) & (used >= 0)
+    hits = int((in_found | in_tail)[score].sum())
     total = int((used[score] >= 0).sum())
   return after, flat, ids, rows, wanted[..., :found.shape[-1] + options["tail"]], hits, total
 

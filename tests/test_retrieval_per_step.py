@@ -37,7 +37,10 @@ PER_STEP = dict(SMALL, bridge="per_step")
                                           ("roar", {"lag": 2, "speculative": True, "search_query": "group_mean", "roar_heads": "kv"}),
                                           ("flat", {"lag": 2, "group_rows": True}),
                                           ("flat", {"lag": 0, "group_rows": True}),
-                                          ("roar", {"lag": 2, "speculative": True, "roar_heads": "kv", "group_rows": True})])
+                                          ("roar", {"lag": 2, "speculative": True, "roar_heads": "kv", "group_rows": True}),
+                                          ("roar", {"lag": 2, "speculative": True, "roar_heads": "kv", "tail_slots": 6,
+                                                    "index_every": 3}),
+                                          ("flat", {"lag": 1, "tail_slots": 4, "index_every": 2})])
 def test_equals_full_when_topk_covers_the_context(index, extra):
   model = tiny_model("llama")
   # Ragged, 24 steps > window: evictions; the short prompts start inside the window / the sinks.
@@ -179,6 +182,30 @@ def test_ef_insert_reaches_every_decode_insert(monkeypatch, index, ef_insert, ex
     result = run(tiny_model("llama"), prompt, index=index, topk=4, lag=lag, ef_insert=ef_insert, **PER_STEP)
     assert result.policy_stats["inserted_tokens"] > 0
   assert seen and set(seen) == {expected}
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_index_every_indexes_each_layer_in_runs_staggered_over_the_steps(monkeypatch, lag):
+  """index_every=3: each background indexing call takes about a third of the layers, 3 tokens each
+  (runs), every layer's evicted tokens are indexed within 3 exchanges, and no layer waits longer
+  (the tail slots hold the rest; the decode equals full at a covering top-k: the test above)."""
+  calls = []
+  index_stored = host_index.HostContext.index_stored
+
+  def recording(self, seqs, layers, *args, queries=None, **kwargs):
+    calls.append((list(layers), None if queries is None else np.shape(queries)[2]))
+    return index_stored(self, seqs, layers, *args, queries=queries, **kwargs)
+
+  monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
+  model = tiny_model("llama")
+  result = run(model, random_prompt(60, seed=4), index="roar", topk=4, lag=lag, tail_slots=6, index_every=3,
+               **PER_STEP)
+  stats = result.policy_stats
+  assert stats["inserted_tokens"] > 6 * model.cfg.num_layers
+  runs = [n for _, n in calls]
+  assert runs and max(runs) <= 3 and runs.count(3) >= len(runs) // 2  # runs of 3 once the ring evicts
+  assert max(len(layers) for layers, _ in calls) <= -(-model.cfg.num_layers // 3)  # staggered
+  assert stats["unindexed_attended"] > 0
 
 
 def test_no_host_callback_inside_the_step(monkeypatch):
@@ -849,6 +876,10 @@ def test_pinned_default_follows_the_bridge_and_topk():
     (dict(index_threads=4), "index_threads=4"),
     (dict(bridge="per_step", index_yields=1), "index_yields"),
     (dict(ef_insert=0), "ef_insert=0"),
+    (dict(index_every=2), "index_every=2 applies"),
+    (dict(bridge="per_step", index_every=0), "index_every=0"),
+    (dict(bridge="per_step", tail_slots=8, index_every=5), "index_every=5 must lie in"),
+    (dict(bridge="per_step", index_every=2.0), "index_every=2.0"),
     (dict(ef_insert=True), "ef_insert"),
     (dict(index="ivf", ef_insert=32), "ef_insert=32 applies"),
     (dict(bridge="per_step", search_query="group"), "search_query='group'"),

@@ -74,16 +74,18 @@ static int rows_valid(const int64_t *held, int64_t S, const hi_selection_t *sel,
   return !bad;
 }
 
-/* Scores row r (hi_selection_t): adds its valid used ids to *total and those among its found
- * ids to *hits. need (a bitmap over ids below n) is all zero before and after. */
+/* Scores row r (hi_selection_t): adds its valid used ids to *total and those its own selection
+ * holds too, among its found ids or in its tail (ids seen .. seen + tail - 1 below n: stored but
+ * not yet searchable, as with indexing deferred), to *hits. need (a bitmap over ids below n) is
+ * all zero before and after. */
 static void score_row(const hi_selection_t *sel, int64_t r, int64_t n, uint64_t *need,
                       int64_t *hits, int64_t *total) {
-  const int64_t *f = sel->found + r * sel->k, *u = sel->used + r * sel->n_used;
+  const int64_t *f = sel->found + r * sel->k, *u = sel->used + r * sel->n_used, seen = sel->seen[r];
   for (int64_t i = 0; i < sel->k; i++)
     if (f[i] >= 0) need[f[i] >> 6] |= 1ull << (f[i] & 63);
   for (int64_t i = 0; i < sel->n_used; i++) {
     *total += u[i] >= 0;
-    *hits += u[i] >= 0 && u[i] < n && has_bit(need, u[i]);
+    *hits += u[i] >= 0 && u[i] < n && (has_bit(need, u[i]) || (u[i] >= seen && u[i] - seen < sel->tail));
   }
   for (int64_t i = 0; i < sel->k; i++) /* every bit set is a found id's */
     if (f[i] >= 0) need[f[i] >> 6] = 0;

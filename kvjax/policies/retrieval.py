@@ -305,6 +305,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     8K on SmolLM2 vectors with 1024 keys inserted, 2.3-2.4 points less recall@100 of the inserted
     keys (0.90 against 0.92) and 1.3 points less overall (0.91 against 0.92;
     bench_insert_smollm2_8k*.md); 48 loses 0.5 points there but its 128K rows spread (1.26x / 1.59x).
+  index_every: per_step only: each (seq, layer)'s evicted tokens are indexed every index_every
+    exchanges, in runs (layers staggered), and attended exactly from the tail slots until then;
+    1 (the default) indexes each at the next exchange (kvjax.prefetch_runtime.PrefetchRuntime
+    says why runs are cheaper; not yet measured inside decode). At most tail_slots // 2.
   """
 
   index: str = "roar"
@@ -336,13 +340,14 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: int | None = None
   index_yields: bool = False
   ef_insert: int | None = None  # None: DEFAULT_ROAR_EF_INSERT for roar (see `insert_ef`)
+  index_every: int = 1
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
   decode_options = ("topk", "ef", "speculative", "tau", "implementation", "transfer", "successors",
                     "successor_sources", "pinned", "pinned_span", "pinned_window", "tail_slots", "refresh",
                     "search_query", "group_rows", "background_nice", "index_threads", "reserved_cores", "index_yields",
-                    "ef_insert")
+                    "ef_insert", "index_every")
   takes_written_prompt = True
   reads_prompt_queries = True  # roar's training queries and the window's queries
 
@@ -402,6 +407,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.roar_heads == "kv" and self.index != "roar":
       raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
     host_runtime.check_background_nice(self.background_nice)
+    prefetch_runtime.check_index_every(self.index_every, self.tail_slots)
+    if self.index_every != 1 and self.bridge != "per_step":
+      raise ValueError(f"index_every={self.index_every} applies to bridge='per_step'")
     if self.ef_insert is not None and self.index not in ("graph", "roar"):
       raise ValueError(f"ef_insert={self.ef_insert} applies to index='graph' or 'roar', not {self.index!r}")
     if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
@@ -447,6 +455,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                    else "the prompt's last query's")
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
+      spec += f", indexing every {self.index_every} steps" if self.index_every != 1 else ""
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     index += f", inserts at ef {self.insert_ef}" if self.insert_ef is not None else ""
     searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
@@ -511,7 +520,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               background_threads=self.index_threads,
                                               reserved_cores=self.reserved_cores, refresh=self.refresh,
                                               search_query=self.search_query,
-                                              index_after_gather=self.lag < 2, **common)
+                                              index_after_gather=self.lag < 2, index_every=self.index_every,
+                                              **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
   def prepare_attached(self, cfg, state: RetrievalState) -> RetrievalState:
