@@ -29,7 +29,8 @@ half and by 28% (bench_decode_*_per_step_packed.md).
 The selection used at step t+1 was searched with the query of step t: speculative reuse with
 a one-step lag for every head and no synchronous correction (a correction would need the
 host inside the step again). `HostStats.hit_rate` measures what the lag costs: the share of
-the ids used at a step that the same step's own query would also have retrieved.
+the ids used at a step that the same step's own query would also have selected (retrieved, or
+held in its tail as stored but not yet indexed).
 
 With lag 1 steps 1-3 and 5 sit between two device steps, on the critical path. With lag 2 they run on
 a background thread while the device computes the next step (`start_prefetch`): the rows used
