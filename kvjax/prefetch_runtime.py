@@ -192,10 +192,11 @@ class PrefetchRuntime(HostRuntime):
     layers staggered so that each exchange indexes about 1 / index_every of them, index_every tokens
     each (1: every token at the next exchange). The same inserts in the same order per index, so
     the indexes come out the same; until indexed, a token is attended exactly from its head's tail
-    slots, so nothing is lost. Why: an index's consecutive inserts find its graph's nodes in cache
-    (a CPU micro-benchmark, 36 graphs of 32K random keys, one thread: 82-87 µs an insert in runs of
-    16 against 107-110 one a step). At most tail_slots // 2, so that the refresh rotation keeps a
-    group's unsearched tokens within its tail slots.
+    slots, so nothing is lost. Why: an index's consecutive inserts find its graph's nodes in cache:
+    36 roar graphs of 32K random keys, one thread, staggered as here: 0.89x the time an insert in
+    runs of 4, 0.81x in runs of 8 (experiments/results/bench_insert_runs_roar_32k_cpu.md, a 2-core
+    CPU box; not yet measured inside decode on a GPU host). At most tail_slots // 2, so that the
+    refresh rotation keeps a group's unsearched tokens within its tail slots.
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,
