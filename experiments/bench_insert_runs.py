@@ -88,6 +88,7 @@ def main(argv):
   new_k = rng.standard_normal((L, Hkv, total - FLAGS.keys, D)).astype(np.float32)
   new_q = rng.standard_normal((L, Hq, total - FLAGS.keys, D)).astype(np.float32)
   seconds = {r: [] for r in runs}
+  timed = {r: 0 for r in runs}  # inserts timed, counted
   at = 0  # tokens appended to every layer so far
   for _ in range(FLAGS.rounds):
     for r in runs:
@@ -108,8 +109,11 @@ def main(argv):
       for layer in range(L):  # the rest, untimed
         index(ctx, [layer] if pending[layer] else [], pending, new_q)
       seconds[r].append(spent / inserted)
+      timed[r] += inserted
+  if not np.array_equal(ctx.indexed_counts(), ctx.store.lengths()):  # every token appended was indexed
+    raise RuntimeError(f"indexed {ctx.indexed_counts().tolist()} of {ctx.store.lengths().tolist()} tokens")
   rows = [dict(index=FLAGS.index_kind, graphs=L * Hkv, keys=FLAGS.keys, dim=D, ef_insert=FLAGS.ef_insert, run=r,
-               timed_inserts=(STEPS - 1) * r * L * Hkv * FLAGS.rounds, us_per_insert=round(1e6 * float(np.median(seconds[r])), 1),
+               timed_inserts=timed[r], us_per_insert=round(1e6 * float(np.median(seconds[r])), 1),
                us_per_insert_min=round(1e6 * float(np.min(seconds[r])), 1))
           for r in runs]
   base = rows[0]["us_per_insert"]
