@@ -166,22 +166,28 @@ def test_ef_insert_defaults_to_32_for_roar_only():
   assert RetrievalAttention(index="flat").insert_ef is None and "inserts" not in RetrievalAttention(index="flat").describe()
 
 
+def record_index_stored(monkeypatch) -> list:
+  """Every HostContext.index_stored call from now on, as (layers, tokens per pair or None, ef)."""
+  calls = []
+  index_stored = host_index.HostContext.index_stored
+
+  def recording(self, seqs, layers, *args, queries=None, ef=None, **kwargs):
+    calls.append((list(layers), None if queries is None else np.shape(queries)[2], ef))
+    return index_stored(self, seqs, layers, *args, queries=queries, ef=ef, **kwargs)
+
+  monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
+  return calls
+
+
 @pytest.mark.parametrize("index, ef_insert, expected", [("graph", None, None), ("graph", 5, 5), ("roar", None, 32)])
 def test_ef_insert_reaches_every_decode_insert(monkeypatch, index, ef_insert, expected):
   """The decode option reaches each insert call (None: roar's default, graph's own list), lag 1 and 2."""
-  seen = []
-  index_stored = host_index.HostContext.index_stored
-
-  def recording(self, *args, **kwargs):
-    seen.append(kwargs.get("ef"))
-    return index_stored(self, *args, **kwargs)
-
-  monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
+  calls = record_index_stored(monkeypatch)
   prompt = random_prompt(60, seed=4)
   for lag in (1, 2):
     result = run(tiny_model("llama"), prompt, index=index, topk=4, lag=lag, ef_insert=ef_insert, **PER_STEP)
     assert result.policy_stats["inserted_tokens"] > 0
-  assert seen and set(seen) == {expected}
+  assert calls and {ef for _, _, ef in calls} == {expected}
 
 
 @pytest.mark.parametrize("lag", [1, 2])
@@ -189,22 +195,15 @@ def test_index_every_indexes_each_layer_in_runs_staggered_over_the_steps(monkeyp
   """index_every=3: each background indexing call takes about a third of the layers, 3 tokens each
   (runs), every layer's evicted tokens are indexed within 3 exchanges, and no layer waits longer
   (the tail slots hold the rest; the decode equals full at a covering top-k: the test above)."""
-  calls = []
-  index_stored = host_index.HostContext.index_stored
-
-  def recording(self, seqs, layers, *args, queries=None, **kwargs):
-    calls.append((list(layers), None if queries is None else np.shape(queries)[2]))
-    return index_stored(self, seqs, layers, *args, queries=queries, **kwargs)
-
-  monkeypatch.setattr(host_index.HostContext, "index_stored", recording)
+  calls = record_index_stored(monkeypatch)
   model = tiny_model("llama")
   result = run(model, random_prompt(60, seed=4), index="roar", topk=4, lag=lag, tail_slots=6, index_every=3,
                **PER_STEP)
   stats = result.policy_stats
   assert stats["inserted_tokens"] > 6 * model.cfg.num_layers
-  runs = [n for _, n in calls]
+  runs = [n for _, n, _ in calls]
   assert runs and max(runs) <= 3 and runs.count(3) >= len(runs) // 2  # runs of 3 once the ring evicts
-  assert max(len(layers) for layers, _ in calls) <= -(-model.cfg.num_layers // 3)  # staggered
+  assert max(len(layers) for layers, _, _ in calls) <= -(-model.cfg.num_layers // 3)  # staggered
   assert stats["unindexed_attended"] > 0
 
 
