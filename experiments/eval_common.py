@@ -196,7 +196,9 @@ def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, 
               "loss_bound_exact: the Clopper-Pearson upper bound (97.5%) of worse / n, which bounds the mean loss "
               "(scores lie in [0, 1]); 'no loss > 0.02' = both the interval and that bound lie below 2 points (with no "
               "sample lost: n >= 183). criterion_applies: full scores above 0.5 in the cell. same_text: samples whose "
-              "generated text equals full's.", measured_by=measured_by)
+              "generated text equals full's. lost_margins / won_margins (rows since 2026-12-07): on each sample the "
+              "policy lost / won, full's top-1 minus top-2 logit at the first token where the policy's tokens depart "
+              "from full's: near 0, a near-tie of full itself; wide, the policy's own doing.", measured_by=measured_by)
   return table
 
 

@@ -228,9 +228,29 @@ def test_runner_records_on_random_tiny():
   assert not any(key.startswith("copy_") and key != "copy_seconds" for key in records[1])
   assert all(r["decode_seconds"] >= r["ms_per_token"] * 1e-3 for r in records)
   assert records[2]["options"]["speculative"] and "correction_rate" in records[2]["policy_stats"]
+  assert "full_margin_at_split" not in records[0]  # full's logits give the others theirs
+  for r in records[1:]:  # None exactly where the policy decoded full's very tokens
+    same = r["generated"] == records[0]["generated"]
+    assert (r["full_margin_at_split"] is None) == same and (same or r["full_margin_at_split"] >= 0)
   # A member decoded from a copy of the shared prefill decodes as from its own prefill.
   alone = kveval.run_sample(model, sample, specs[2:], max_new_tokens=4)[0]
   assert not alone["prefill_shared"] and alone["generated"] == records[2]["generated"]
+
+
+def test_margin_at_split_reads_the_reference_where_the_tokens_first_depart():
+  import numpy as np
+
+  from kvjax.eval.runner import margin_at_split, top2_margins
+
+  logits = np.array([[0.0, 3.0, 1.0], [2.0, 2.0, -1.0], [5.0, 0.0, 4.5]])  # [steps, vocab]
+  margins = top2_margins(logits)
+  np.testing.assert_allclose(margins, [2.0, 0.0, 0.5])
+  ref = [1, 0, 0]
+  assert margin_at_split(ref, [1, 0, 0], margins) is None  # the same tokens: no split
+  assert margin_at_split(ref, [2, 0, 0], margins) == 2.0  # departs at the first token
+  assert margin_at_split(ref, [1, 0, 2, 7], margins) == 0.5  # at the third
+  assert margin_at_split(ref, [1, 0], margins) == 0.5  # the policy stopped where full went on
+  assert margin_at_split(ref, [1, 0, 0, 3], margins) is None  # full stopped: no logits of its there
 
 
 def test_policy_spec_parse_and_prefill_groups():

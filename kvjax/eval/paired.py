@@ -126,7 +126,9 @@ def compare_to_reference(
   Returns one dict per (cell, candidate policy) with both mean scores, the mean loss, its
   interval, n, the samples it lost and won, the exact bound of the loss and the verdict, and,
   where rows carry their "generated" text, `same_text`: the paired samples whose text equals the
-  reference's (how often the policy decodes exactly what the reference does, which equal scores hide);
+  reference's (how often the policy decodes exactly what the reference does, which equal scores hide),
+  and where rows carry "full_margin_at_split" (kvjax.eval.runner), `lost_margins` / `won_margins`
+  (`_split_margins`);
   samples the reference lacks (or the candidate) are left out and counted in "unpaired". A cell
   whose reference scores <= 0.5 is marked (the issue's criterion applies only where the
   reference scores above 50%).
@@ -134,11 +136,14 @@ def compare_to_reference(
   rows = list(rows)
   scores: dict[tuple, dict[str, dict[tuple, float]]] = {}
   texts: dict[tuple, dict[str, dict[tuple, str]]] = {}
+  margins: dict[tuple, dict[str, dict[tuple, float | None]]] = {}
   for r in rows:
     key, at = tuple(r[k] for k in cell), tuple(r[k] for k in sample)
     scores.setdefault(key, {}).setdefault(r["policy"], {})[at] = float(r["score"])
     if r.get("generated") is not None:
       texts.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["generated"]
+    if "full_margin_at_split" in r:
+      margins.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["full_margin_at_split"]
   out = []
   for key, by_policy in scores.items():
     ref = by_policy.get(reference)
@@ -158,8 +163,24 @@ def compare_to_reference(
           f"{reference}_score": round(p.reference, 4), "score": round(p.candidate, 4), "loss": round(p.loss, 4),
           f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "worse": p.worse, "better": p.better,
           "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
-          "criterion_applies": p.reference > 0.5} | _same_text(texts.get(key, {}), reference, policy, shared))
+          "criterion_applies": p.reference > 0.5} | _same_text(texts.get(key, {}), reference, policy, shared)
+          | _split_margins(margins.get(key, {}).get(policy, {}), ref, cand, shared))
   return out
+
+
+def _split_margins(margins: dict[tuple, float | None], ref: dict[tuple, float], cand: dict[tuple, float],
+                   shared: list[tuple]) -> dict:
+  """{"lost_margins": [...], "won_margins": [...]}: the reference's top-2 logit margin where the
+  policy's tokens first departed from its own (kvjax.eval.runner.margin_at_split), ascending, on
+  the samples the policy lost and won, when every shared sample's row carries it; else {}. Losses
+  at margins near 0 are near-ties of the reference itself, which any perturbation (bfloat16
+  rounding, another batch) can turn either way; a loss at a wide margin is the policy's own."""
+  if not all(s in margins for s in shared):
+    return {}
+  def listed(which):  # None (the reference has no logits at the split) last
+    values = [margins[s] for s in shared if which(ref[s] - cand[s])]
+    return sorted(round(m, 2) for m in values if m is not None) + [None] * values.count(None)
+  return {"lost_margins": listed(lambda d: d > 0), "won_margins": listed(lambda d: d < 0)}
 
 
 def _same_text(texts: dict[str, dict[tuple, str]], reference: str, policy: str, shared: list[tuple]) -> dict:

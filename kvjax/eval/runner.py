@@ -97,6 +97,29 @@ def prompt_ids(tokenizer, sample: Sample) -> list[int]:
   return tokenizer.encode(sample.text + "\n" + sample.answer_prefix)
 
 
+REFERENCE = "full"  # the label whose logits give the other records' `full_margin_at_split`
+
+
+def top2_margins(logits: np.ndarray) -> np.ndarray:  # [steps, vocab] -> [steps]
+  """Each step's top-1 minus top-2 logit: how near greedy decoding was to another token."""
+  top2 = np.partition(np.asarray(logits, np.float32), -2, axis=-1)[..., -2:]
+  return top2[..., 1] - top2[..., 0]
+
+
+def margin_at_split(reference_tokens: Sequence[int], tokens: Sequence[int],
+                    reference_margins: np.ndarray) -> float | None:  # margins [steps]
+  """The reference's top-2 margin at the first token where `tokens` departs from
+  `reference_tokens` (None where neither departs from the other or the reference has no logits
+  there). Up to that token both decoded the same prefix, so the margin says how close the
+  reference itself was to the other choice: a policy that turns a near-tie turns what bfloat16
+  rounding or another batch could turn too."""
+  n = min(len(reference_tokens), len(tokens))
+  split = next((i for i in range(n) if reference_tokens[i] != tokens[i]), n)
+  if split == n and len(reference_tokens) == len(tokens):
+    return None
+  return float(reference_margins[split]) if split < len(reference_margins) else None
+
+
 def _jsonable(value):
   if isinstance(value, dict):
     return {str(k): _jsonable(v) for k, v in value.items()}
@@ -169,7 +192,9 @@ def run_sample(
     copy_host_s, copy_device_s and copy_attach_s (its parts: PrefilledContext.setup_times),
     decode_seconds (the whole decode call's wall time), policy_stats, and with a store
     context_loaded, context_load_seconds and context_made_by (the group's prefill_seconds are then
-    those of the run that made it).
+    those of the run that made it). Where a spec is labelled "full" the other records also
+    carry full_margin_at_split (`margin_at_split`: full's top-2 logit margin where their tokens
+    first depart from full's, None where they never do).
   """
   if model.tokenizer is None:
     raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")
@@ -188,6 +213,8 @@ def run_sample(
     groups.setdefault(spec.prefill_key(), []).append(i)
 
   records: list[dict | None] = [None] * len(policies)
+  tokens: list[list[int]] = [[] for _ in policies]
+  reference_margins = None
   for members in groups.values():
     first = policies[members[0]]
     stored = None
@@ -209,14 +236,24 @@ def run_sample(
         member_context = kvjax.copy_context(context, model, policy_options=member_policy.decode_option_values())
         copy_seconds = time.perf_counter() - t0
       t1 = time.perf_counter()
+      is_reference = policies[i].label == REFERENCE
       result = kvjax.decode(model, member_context, max_new_tokens=new_tokens, temperature=0.0, stop_tokens=stop,
-                            stop_when=stop_when)
+                            stop_when=stop_when, return_logits=is_reference)
+      tokens[i] = result.tokens[0]
+      if is_reference:
+        reference_margins = top2_margins(result.logits[:, 0])
       records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1, copy_seconds=copy_seconds,
                            copy_times=member_context.setup_times,
                            decode_seconds=time.perf_counter() - t1) | {"early_stop": early_stop}
       if stored is not None:
         records[i] |= {"context_loaded": stored.loaded, "context_load_seconds": stored.load_seconds,
                        "context_made_by": stored.made_by}
+  if reference_margins is not None:
+    ref = labels.index(REFERENCE)
+    for i, record in enumerate(records):
+      if i != ref:
+        margin = margin_at_split(tokens[ref], tokens[i], reference_margins)
+        record["full_margin_at_split"] = None if margin is None else round(margin, 4)
   return records  # type: ignore[return-value]
 
 
