@@ -105,7 +105,9 @@ POLICIES = {
     "retrieval_step_lag2_kv_spec_ei16": ("retrieval", _STEP_SPEC | {"ef_insert": 16}),
     "retrieval_step_lag2_kv_spec_r2_ei32": ("retrieval", _STEP_SPEC | {"reserved_cores": 2, "ef_insert": 32}),
     # each layer's evicted tokens indexed in runs of 4 / 8 every 4 / 8 exchanges, the layers staggered
-    # (index_every; the tail slots hold them until then): an index's consecutive inserts find its graph in cache
+    # (index_every; the tail slots hold them until then): an index's consecutive inserts find its graph in cache.
+    # 8 is the default since session 49 (_every1 names the one before)
+    "retrieval_step_lag2_kv_spec_every1": ("retrieval", _STEP_SPEC | {"index_every": 1}),
     "retrieval_step_lag2_kv_spec_every4": ("retrieval", _STEP_SPEC | {"index_every": 4}),
     "retrieval_step_lag2_kv_spec_every8": ("retrieval", _STEP_SPEC | {"index_every": 8}),
     "freekv": ("freekv", {}),

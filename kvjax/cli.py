@@ -116,7 +116,8 @@ def define_flags() -> None:
                        "for 2.3 points more recall of the inserted keys at 8K.")
   flags.DEFINE_integer("index_every", None, "retrieval per_step bridge: index each layer's evicted tokens in runs, "
                        "every this many steps (layers staggered; attended exactly from the tail slots until then); "
-                       "default 1, at most tail_slots // 2.")
+                       "default 8 (at most tail_slots // 2): 1.29-1.30x full's time a token at 128K on an H100 "
+                       "against 1.39-1.51x with 1.")
   flags.DEFINE_enum("roar_heads", None, ["query", "kv"], "Roar graphs per query head or per KV head.")
   flags.DEFINE_string("rope_scaling", None, "RoPE scaling as kind:factor (linear, dynamic, yarn, llama3).")
   flags.DEFINE_string("dtype", "auto", "Weight and KV dtype: auto (bfloat16 on GPU, float32 on CPU), "

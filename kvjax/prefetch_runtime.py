@@ -195,8 +195,11 @@ class PrefetchRuntime(HostRuntime):
     slots, so nothing is lost. Why: an index's consecutive inserts find its graph's nodes in cache:
     36 roar graphs of 32K random keys, one thread, staggered as here: 0.89x the time an insert in
     runs of 4, 0.81x in runs of 8 (experiments/results/bench_insert_runs_roar_32k_cpu.md, a 2-core
-    CPU box; not yet measured inside decode on a GPU host). At most tail_slots // 2, so that the
-    refresh rotation keeps a group's unsearched tokens within its tail slots.
+    CPU box); inside decode at 128K on an H100 the indexing took as long, but the searches and
+    gathers beside it ran faster and the token with 8 took 1.29-1.30x full's time against
+    1.39-1.51x with 1 (bench_scale_smollm2shapes_synthetic_128k_s49_index_every*.md; retrieval's
+    default is 8). At most tail_slots // 2, so that the refresh rotation keeps a group's unsearched
+    tokens within its tail slots.
   """
 
   def __init__(self, context, *, tail_slots: int, successors: int = 0, successor_sources: int = 8,

@@ -129,13 +129,14 @@ def test_speculative_rotation_is_not_counted_as_correction(monkeypatch):
 def test_lag_zero_searches_the_lowest_host_layer_with_its_own_query():
   """Lag 0 runs each step twice, the second on rows its first pass's queries found. The lowest
   host layer's first-pass query is already exact, so with it the only host layer (and flat
-  search, no successors) it attends what per_layer's current-query search does; lag 1 does not."""
+  search, no successors, each evicted token indexed at the next exchange as per_layer does) it
+  attends what per_layer's current-query search does; lag 1 does not."""
   model = tiny_model("llama")  # two layers: layer 1 stays dense
   prompts = [random_prompt(53), random_prompt(21, seed=5)]
   options = dict(SMALL, index="flat", topk=5, dense_layers=(1,))
   per_layer = run(model, prompts, **options)
-  lag0 = run(model, prompts, bridge="per_step", lag=0, successors=0, pinned=0, **options)
-  lag1 = run(model, prompts, bridge="per_step", lag=1, successors=0, **options)
+  lag0 = run(model, prompts, bridge="per_step", lag=0, successors=0, pinned=0, index_every=1, **options)
+  lag1 = run(model, prompts, bridge="per_step", lag=1, successors=0, index_every=1, **options)
   np.testing.assert_allclose(lag0.logits, per_layer.logits, rtol=1e-4, atol=1e-4)
   assert lag0.tokens == per_layer.tokens
   assert np.abs(lag1.logits - per_layer.logits).max() > 1e-2  # the small top-k bites: lag 1 differs
@@ -164,6 +165,17 @@ def test_ef_insert_defaults_to_32_for_roar_only():
   assert RetrievalAttention(ef_insert=64).insert_ef == 64
   assert RetrievalAttention(index="graph").insert_ef is None
   assert RetrievalAttention(index="flat").insert_ef is None and "inserts" not in RetrievalAttention(index="flat").describe()
+
+
+def test_index_every_defaults_to_8_with_per_step_within_the_tail():
+  """None resolves at use: DEFAULT_INDEX_EVERY (8) with per_step, at most tail_slots // 2; 1 otherwise."""
+  step = RetrievalAttention(bridge="per_step")
+  assert step.index_period == 8 and "indexing every 8 steps" in step.describe()
+  assert RetrievalAttention(bridge="per_step", tail_slots=6).index_period == 3
+  assert RetrievalAttention(bridge="per_step", tail_slots=1).index_period == 1
+  assert RetrievalAttention(bridge="per_step", index_every=1).index_period == 1
+  assert "indexing every" not in RetrievalAttention(bridge="per_step", index_every=1).describe()
+  assert RetrievalAttention().index_period == 1  # per_layer indexes at every step
 
 
 def record_index_stored(monkeypatch) -> list:

@@ -169,6 +169,7 @@ def _connect_candidates(keys):  # keys: [Hkv, N, D] -> [Hkv, N, C] int32, or Non
 DEFAULT_PINNED = 16  # per_step's pinned ids per query head (RetrievalAttention.pinned)
 DEFAULT_PIN_WINDOW = 32  # per_step's prompt queries choosing them (RetrievalAttention.pinned_window)
 DEFAULT_ROAR_EF_INSERT = 32  # decode-time inserts' candidate list with roar (RetrievalAttention.ef_insert)
+DEFAULT_INDEX_EVERY = 8  # per_step's exchanges between two indexings of a layer (RetrievalAttention.index_every)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,8 +308,13 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     bench_insert_smollm2_8k*.md); 48 loses 0.5 points there but its 128K rows spread (1.26x / 1.59x).
   index_every: per_step only: each (seq, layer)'s evicted tokens are indexed every index_every
     exchanges, in runs (layers staggered), and attended exactly from the tail slots until then;
-    1 (the default) indexes each at the next exchange (kvjax.prefetch_runtime.PrefetchRuntime
-    says why runs are cheaper; not yet measured inside decode). At most tail_slots // 2.
+    1 indexes each at the next exchange. At most tail_slots // 2. Default None: DEFAULT_INDEX_EVERY
+    (8, at most tail_slots // 2) with per_step, resolved at use (`index_period`). Why 8: at 128K on
+    an H100 (SmolLM2 shapes, lag 2 --speculative, two processes) it ran at 1.30x / 1.29x full's
+    time a token against 1.51x / 1.39x with 1 (4: 1.44x / 1.36x), the same searches and
+    corrections in every row: the host's searches and gathers ran faster beside an indexing that
+    finds each graph in cache (experiments/results/bench_scale_smollm2shapes_synthetic_128k_s49_index_every*.md;
+    kvjax.prefetch_runtime.PrefetchRuntime). Up to 8 more tokens a layer are attended exactly meanwhile.
   """
 
   index: str = "roar"
@@ -340,7 +346,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   reserved_cores: int | None = None
   index_yields: bool = False
   ef_insert: int | None = None  # None: DEFAULT_ROAR_EF_INSERT for roar (see `insert_ef`)
-  index_every: int = 1
+  index_every: int | None = None  # None: DEFAULT_INDEX_EVERY with per_step (see `index_period`)
   name: str = "retrieval"
   # per_step's row buffers are sized by topk, the successors, the tail slots and the pinned spans: a load
   # selects the first step's rows again (prepare_attached), into buffers of the new size where these changed.
@@ -407,9 +413,10 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.roar_heads == "kv" and self.index != "roar":
       raise ValueError(f"roar_heads='kv' applies to index='roar', not {self.index!r}")
     host_runtime.check_background_nice(self.background_nice)
-    prefetch_runtime.check_index_every(self.index_every, self.tail_slots)
-    if self.index_every != 1 and self.bridge != "per_step":
-      raise ValueError(f"index_every={self.index_every} applies to bridge='per_step'")
+    if self.index_every is not None:
+      prefetch_runtime.check_index_every(self.index_every, self.tail_slots)
+      if self.index_every != 1 and self.bridge != "per_step":
+        raise ValueError(f"index_every={self.index_every} applies to bridge='per_step'")
     if self.ef_insert is not None and self.index not in ("graph", "roar"):
       raise ValueError(f"ef_insert={self.ef_insert} applies to index='graph' or 'roar', not {self.index!r}")
     if self.index_threads is not None and (self.bridge != "per_step" or self.index_threads < 1):
@@ -426,6 +433,15 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     if self.ef_insert is not None:
       return self.ef_insert
     return DEFAULT_ROAR_EF_INSERT if self.index == "roar" else None
+
+  @property
+  def index_period(self) -> int:
+    """`index_every`, or its default: DEFAULT_INDEX_EVERY (at most tail_slots // 2) with per_step,
+    else 1. Resolved at use, so a context saved before this default (session 49), or decoded
+    with other tail_slots, gets the default that fits."""
+    if self.index_every is not None:
+      return self.index_every
+    return max(1, min(DEFAULT_INDEX_EVERY, self.tail_slots // 2)) if self.bridge == "per_step" else 1
 
   @property
   def pinned_per_head(self) -> int:
@@ -455,7 +471,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                    else "the prompt's last query's")
       spec += (f", +{self.pinned_per_head} spans of {self.pinned_span} tokens from {chosen_by} best ids, kept"
                if self.pinned_per_head else "")
-      spec += f", indexing every {self.index_every} steps" if self.index_every != 1 else ""
+      spec += f", indexing every {self.index_period} steps" if self.index_period != 1 else ""
     index = self.index + (" per KV head" if self.roar_heads == "kv" else "")
     index += f", inserts at ef {self.insert_ef}" if self.insert_ef is not None else ""
     searched_by = " by its KV group's mean query" if self.search_query == "group_mean" else ""
@@ -520,7 +536,7 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
                                               background_threads=self.index_threads,
                                               reserved_cores=self.reserved_cores, refresh=self.refresh,
                                               search_query=self.search_query,
-                                              index_after_gather=self.lag < 2, index_every=self.index_every,
+                                              index_after_gather=self.lag < 2, index_every=self.index_period,
                                               **common)
     return host_runtime.HostRuntime(context, speculative=self.speculative, tau=self.tau, **common)
 
