@@ -49,7 +49,9 @@ def test_idle_threads_sleep_unless_the_user_chose_a_policy():
   default = probe()
   assert default["policy"] == "PASSIVE" and default["cpu_ms_per_sleep"] < 5  # 0.5 ms measured on 2 cores
   active = probe(OMP_WAIT_POLICY="ACTIVE")  # the user's choice stands: the idle worker spins throughout
-  assert active["policy"] == "ACTIVE" and active["cpu_ms_per_sleep"] > 20
+  # A spinning worker burns up to the whole 50 ms sleep; with other processes on the cores it got
+  # 19 ms (2 cores, an eval beside the suite), still 40x the sleeping threads' 0.5.
+  assert active["policy"] == "ACTIVE" and active["cpu_ms_per_sleep"] > 10
 
 
 def test_a_libgomp_loaded_earlier_is_named_in_a_warning():
