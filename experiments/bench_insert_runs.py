@@ -10,8 +10,8 @@ takes its N pending tokens in one run instead. This builds `--layers` layers of 
 graphs over `--keys` random keys each (the synthetic benchmarks' vectors; real keys of
 consecutive tokens are correlated, which can only help runs), then, for each run length r in
 `--runs`, appends the next r tokens of every layer and indexes them in one
-`HostContext.index_stored` call on one thread (as a decode step's job does, run length 1 =
-today's default), `--rounds` times. The inserts per graph and their order are the same for
+`HostContext.index_stored` call on one thread (as a decode step's job does; run length 1 = every
+step, retrieval's default until session 49, 8 since), `--rounds` times. The inserts per graph and their order are the same for
 every r: only what lies between two inserts into a graph changes. Rows: median microseconds
 per insert over the rounds; the run lengths alternate round by round so that the graphs grow
 alike under each.
@@ -122,7 +122,7 @@ def main(argv):
   notes = (f"{L * Hkv} {FLAGS.index_kind} graphs ({L} layers x {Hkv} KV heads) of {FLAGS.keys} random keys, "
            f"dim {D}, bfloat16 store, built in {build_s:.0f} s; inserts at ef {FLAGS.ef_insert} on one thread, "
            f"each step appending a token to every layer and indexing, in one call, the layers due at that step "
-           f"((layer + step) % run == 0) with their `run` pending tokens (run 1: decode's default); "
+           f"((layer + step) % run == 0) with their `run` pending tokens (run 1: every step); "
            f"median (and min) microseconds per insert over {FLAGS.rounds} rounds of {STEPS} x run steps (the first "
            f"run steps untimed), run lengths alternating.")
   results_io.write_results(FLAGS.name, rows, out_dir=FLAGS.out_dir, notes=notes)

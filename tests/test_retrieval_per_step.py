@@ -202,15 +202,16 @@ def test_ef_insert_reaches_every_decode_insert(monkeypatch, index, ef_insert, ex
   assert calls and {ef for _, _, ef in calls} == {expected}
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_index_every_indexes_each_layer_in_runs_staggered_over_the_steps(monkeypatch, lag):
-  """index_every=3: each background indexing call takes about a third of the layers, 3 tokens each
-  (runs), every layer's evicted tokens are indexed within 3 exchanges, and no layer waits longer
-  (the tail slots hold the rest; the decode equals full at a covering top-k: the test above)."""
+@pytest.mark.parametrize("lag, index_every", [(1, 3), (2, 3), (2, None)])
+def test_index_every_indexes_each_layer_in_runs_staggered_over_the_steps(monkeypatch, lag, index_every):
+  """index_every=3 (or the default, which 6 tail slots bound to 3): each background indexing call
+  takes about a third of the layers, 3 tokens each (runs), every layer's evicted tokens are indexed
+  within 3 exchanges, and no layer waits longer (the tail slots hold the rest; the decode equals
+  full at a covering top-k: the test above)."""
   calls = record_index_stored(monkeypatch)
   model = tiny_model("llama")
-  result = run(model, random_prompt(60, seed=4), index="roar", topk=4, lag=lag, tail_slots=6, index_every=3,
-               **PER_STEP)
+  result = run(model, random_prompt(60, seed=4), index="roar", topk=4, lag=lag, tail_slots=6,
+               index_every=index_every, **PER_STEP)
   stats = result.policy_stats
   assert stats["inserted_tokens"] > 6 * model.cfg.num_layers
   runs = [n for _, n, _ in calls]
