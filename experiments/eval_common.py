@@ -198,7 +198,9 @@ def write_paired(rows: list[dict], *, cell: tuple[str, ...], sample: tuple[str, 
               "sample lost: n >= 183). criterion_applies: full scores above 0.5 in the cell. same_text: samples whose "
               "generated text equals full's. lost_margins / won_margins (rows since 2026-12-07): on each sample the "
               "policy lost / won, full's top-1 minus top-2 logit at the first token where the policy's tokens depart "
-              "from full's: near 0, a near-tie of full itself; wide, the policy's own doing.", measured_by=measured_by)
+              "from full's; lost_gaps / won_gaps (rows since 2026-12-07, session 50): full's top-1 logit minus its "
+              "logit of the token the policy chose there (= the margin where the policy took full's runner-up): "
+              "near 0, a near-tie of full itself; wide, the policy's own doing.", measured_by=measured_by)
   return table
 
 

@@ -94,18 +94,24 @@ def test_compare_to_reference_counts_texts_equal_to_the_reference():
   assert all("same_text" not in r for r in compare_to_reference(rows, cell=("task",), sample=("seed",)))
 
 
-def test_compare_to_reference_lists_full_margins_where_lost_and_won():
+def test_compare_to_reference_lists_fulls_margins_and_gaps_where_lost_and_won():
   scores = {"full": [1, 1, 1, 0, 0], "fast": [0, 0, 1, 1, 0]}
-  split = [0.55, 0.11, None, 3.2, 0.01]  # fast's rows: full's margin where fast's tokens departed
+  margin = [0.55, 0.11, None, 3.2, 0.01]  # fast's rows: full's split fields where fast's tokens departed
+  gap = [0.55, 4.0, None, 3.2, 0.01]
   rows = [dict(task="niah", seed=s, policy=p, score=float(scores[p][s])) for p in scores for s in range(5)]
   for r in rows[5:]:
-    r["full_margin_at_split"] = split[r["seed"]]
+    r["full_margin_at_split"], r["full_gap_at_split"] = margin[r["seed"]], gap[r["seed"]]
   fast = compare_to_reference(rows, cell=("task",), sample=("seed",))[0]
   assert fast["lost_margins"] == [0.11, 0.55] and fast["won_margins"] == [3.2]
+  assert fast["lost_gaps"] == [0.55, 4.0] and fast["won_gaps"] == [3.2]
   rows[5]["full_margin_at_split"] = None  # full had no logits at the split: listed, last
   assert compare_to_reference(rows, cell=("task",), sample=("seed",))[0]["lost_margins"] == [0.11, None]
-  del rows[6]["full_margin_at_split"]  # a row from before the field: no lists rather than partial ones
-  assert "lost_margins" not in compare_to_reference(rows, cell=("task",), sample=("seed",))[0]
+  del rows[6]["full_gap_at_split"]  # a row from before the field: no lists rather than partial ones
+  table = compare_to_reference(rows, cell=("task",), sample=("seed",))[0]
+  assert "lost_gaps" not in table and table["lost_margins"] == [0.11, None]
+  # The fields score full's logits: against another reference they would be mislabelled.
+  other = [r | {"policy": "ref"} if r["policy"] == "full" else r for r in rows]
+  assert "lost_margins" not in compare_to_reference(other, cell=("task",), sample=("seed",), reference="ref")[0]
 
 
 def test_disagreeing_seeds_by_sample_over_cells():

@@ -231,26 +231,60 @@ def test_runner_records_on_random_tiny():
   assert "full_margin_at_split" not in records[0]  # full's logits give the others theirs
   for r in records[1:]:  # None exactly where the policy decoded full's very tokens
     same = r["generated"] == records[0]["generated"]
-    assert (r["full_margin_at_split"] is None) == same and (same or r["full_margin_at_split"] >= 0)
+    assert (r["full_gap_at_split"] is None) == same
   # A member decoded from a copy of the shared prefill decodes as from its own prefill.
   alone = kveval.run_sample(model, sample, specs[2:], max_new_tokens=4)[0]
   assert not alone["prefill_shared"] and alone["generated"] == records[2]["generated"]
 
 
-def test_margin_at_split_reads_the_reference_where_the_tokens_first_depart():
+def test_runner_scores_the_split_with_fulls_own_logits():
+  """The split fields equal split_at_reference over separate greedy decodes of full and the policy."""
+  import dataclasses
+
+  import kvjax
+  from kvjax.eval.runner import split_at_reference
+
+  model = dataclasses.replace(kvjax.load_model("random:tiny"), tokenizer=byte_tokenizer())
+  sample = kveval.make_sample("niah_single_1", model.tokenizer, length=300, seed=1, depth=0.5)
+  narrow = {"sinks": 4, "window": 4}  # random weights: so narrow a window departs from full within 6 tokens
+  full, streaming = kveval.run_sample(
+      model, sample, [kveval.PolicySpec("full"), kveval.PolicySpec("streaming", narrow, label="narrow")],
+      max_new_tokens=6)
+  ids = kveval.prompt_ids(model.tokenizer, sample)
+  decoded = {policy: kvjax.decode(model, kvjax.prefill(model, ids, max_new_tokens=6, policy=policy,
+                                                       policy_options=options),
+                                  max_new_tokens=6, temperature=0.0, return_logits=policy == "full")
+             for policy, options in (("full", {}), ("streaming", narrow))}
+  want = split_at_reference(decoded["full"].tokens[0], decoded["streaming"].tokens[0],
+                            decoded["full"].logits[:, 0], [])
+  assert want["full_gap_at_split"] is not None  # it departs: the test reads real logits
+  assert {k: streaming[k] for k in want} == want and "full_gap_at_split" not in full
+  assert streaming["full_gap_at_split"] >= streaming["full_margin_at_split"] >= 0
+
+
+def test_split_at_reference_reads_fulls_logits_where_the_tokens_first_depart():
   import numpy as np
 
-  from kvjax.eval.runner import margin_at_split, top2_margins
+  from kvjax.eval.runner import first_split, split_at_reference, top2_margins
 
-  logits = np.array([[0.0, 3.0, 1.0], [2.0, 2.0, -1.0], [5.0, 0.0, 4.5]])  # [steps, vocab]
-  margins = top2_margins(logits)
-  np.testing.assert_allclose(margins, [2.0, 0.0, 0.5])
-  ref = [1, 0, 0]
-  assert margin_at_split(ref, [1, 0, 0], margins) is None  # the same tokens: no split
-  assert margin_at_split(ref, [2, 0, 0], margins) == 2.0  # departs at the first token
-  assert margin_at_split(ref, [1, 0, 2, 7], margins) == 0.5  # at the third
-  assert margin_at_split(ref, [1, 0], margins) == 0.5  # the policy stopped where full went on
-  assert margin_at_split(ref, [1, 0, 0, 3], margins) is None  # full stopped: no logits of its there
+  logits = np.array([[0.0, 3.0, 1.0, -2.0], [2.0, 2.5, -1.0, 0.0], [5.0, 0.0, 4.5, 1.0],
+                     [0.0, 0.0, 0.0, 9.0]])  # [steps, vocab]; full chose 1, 1, 0, then stop token 3
+  np.testing.assert_allclose(top2_margins(logits), [2.0, 0.5, 0.5, 9.0])
+  ref, stop = [1, 1, 0], [3]
+  assert first_split(ref, [1, 1, 0]) is None and first_split(ref, [1, 1]) == 2 and first_split(ref, [2]) == 0
+
+  def split(tokens, stop_tokens=stop, rows=logits):
+    got = split_at_reference(ref, tokens, rows, stop_tokens)
+    return got["full_margin_at_split"], got["full_gap_at_split"], got["full_rank_at_split"]
+
+  assert split([1, 1, 0]) == (None, None, None)  # the same tokens: no split
+  assert split([2, 1, 0]) == (2.0, 2.0, 1)  # full's runner-up: the gap is the margin
+  assert split([3, 1, 0]) == (2.0, 5.0, 3)  # its last choice: a small margin, a wide gap
+  assert split([1, 1, 2, 7]) == (0.5, 0.5, 1)  # departs at the third token
+  assert split([1, 1]) == (0.5, 4.0, 2)  # the policy chose the stop token where full went on
+  assert split([1, 1], stop_tokens=[]) == (None, None, None)  # no stop token to score
+  assert split([1, 1, 0, 2]) == (9.0, 9.0, 1)  # full chose the stop token there, the policy went on
+  assert split([1, 1, 0, 2], rows=logits[:3]) == (None, None, None)  # full ended with no logits there
 
 
 def test_policy_spec_parse_and_prefill_groups():

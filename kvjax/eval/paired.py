@@ -127,8 +127,8 @@ def compare_to_reference(
   interval, n, the samples it lost and won, the exact bound of the loss and the verdict, and,
   where rows carry their "generated" text, `same_text`: the paired samples whose text equals the
   reference's (how often the policy decodes exactly what the reference does, which equal scores hide),
-  and where rows carry "full_margin_at_split" (kvjax.eval.runner), `lost_margins` / `won_margins`
-  (`_split_margins`);
+  and, against "full", where rows carry the split fields of kvjax.eval.runner.split_at_reference,
+  `lost_margins` / `won_margins` and `lost_gaps` / `won_gaps` (`_split_lists`);
   samples the reference lacks (or the candidate) are left out and counted in "unpaired". A cell
   whose reference scores <= 0.5 is marked (the issue's criterion applies only where the
   reference scores above 50%).
@@ -136,14 +136,15 @@ def compare_to_reference(
   rows = list(rows)
   scores: dict[tuple, dict[str, dict[tuple, float]]] = {}
   texts: dict[tuple, dict[str, dict[tuple, str]]] = {}
-  margins: dict[tuple, dict[str, dict[tuple, float | None]]] = {}
+  splits: dict[str, dict[tuple, dict[str, dict[tuple, float | None]]]] = {field: {} for field in _SPLIT_LISTS}
   for r in rows:
     key, at = tuple(r[k] for k in cell), tuple(r[k] for k in sample)
     scores.setdefault(key, {}).setdefault(r["policy"], {})[at] = float(r["score"])
     if r.get("generated") is not None:
       texts.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["generated"]
-    if "full_margin_at_split" in r:
-      margins.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["full_margin_at_split"]
+    for field in _SPLIT_LISTS:
+      if field in r:
+        splits[field].setdefault(key, {}).setdefault(r["policy"], {})[at] = r[field]
   out = []
   for key, by_policy in scores.items():
     ref = by_policy.get(reference)
@@ -164,23 +165,36 @@ def compare_to_reference(
           f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "worse": p.worse, "better": p.better,
           "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
           "criterion_applies": p.reference > 0.5} | _same_text(texts.get(key, {}), reference, policy, shared)
-          | _split_margins(margins.get(key, {}).get(policy, {}), ref, cand, shared))
+          | (_split_lists({f: splits[f].get(key, {}).get(policy, {}) for f in _SPLIT_LISTS}, ref, cand, shared)
+             if reference == "full" else {}))  # the fields score full's logits (kvjax.eval.runner.REFERENCE)
   return out
 
 
-def _split_margins(margins: dict[tuple, float | None], ref: dict[tuple, float], cand: dict[tuple, float],
-                   shared: list[tuple]) -> dict:
-  """{"lost_margins": [...], "won_margins": [...]}: the reference's top-2 logit margin where the
-  policy's tokens first departed from its own (kvjax.eval.runner.margin_at_split), ascending, on
-  the samples the policy lost and won, when every shared sample's row carries it; else {}. Losses
-  at margins near 0 are near-ties of the reference itself, which any perturbation (bfloat16
-  rounding, another batch) can turn either way; a loss at a wide margin is the policy's own."""
-  if not all(s in margins for s in shared):
-    return {}
-  def listed(which):  # None (the reference has no logits at the split) last
-    values = [margins[s] for s in shared if which(ref[s] - cand[s])]
-    return sorted(round(m, 2) for m in values if m is not None) + [None] * values.count(None)
-  return {"lost_margins": listed(lambda d: d > 0), "won_margins": listed(lambda d: d < 0)}
+# Row fields of kvjax.eval.runner.split_at_reference (full's logits where a policy's tokens depart
+# from full's) -> the stem of the lists compare_to_reference makes of them.
+_SPLIT_LISTS = {"full_margin_at_split": "margins", "full_gap_at_split": "gaps"}
+
+
+def _split_lists(splits: dict[str, dict[tuple, float | None]], ref: dict[tuple, float], cand: dict[tuple, float],
+                 shared: list[tuple]) -> dict:
+  """{"lost_margins", "won_margins", "lost_gaps", "won_gaps"}: on the samples the policy lost and
+  won, ascending, full's top-2 margin and its gap to the policy's token (its top-1 logit minus its
+  logit of the token the policy chose) at the first token where the policy departed from it
+  (kvjax.eval.runner.split_at_reference); each pair only when every shared sample's row carries
+  its field (rows from before it get none rather than partial lists). A loss at a gap near 0 is a
+  near-tie of full itself, which any perturbation (bfloat16 rounding, another batch) can turn
+  either way; a loss at a wide gap is the policy's own (the margin alone can be small where the
+  policy took a token far below full's runner-up)."""
+  out = {}
+  for field, stem in _SPLIT_LISTS.items():
+    values = splits[field]
+    if not shared or not all(s in values for s in shared):
+      continue
+    def listed(which):  # None (full has no logits at the split) last
+      found = [values[s] for s in shared if which(ref[s] - cand[s])]
+      return sorted(round(m, 2) for m in found if m is not None) + [None] * found.count(None)
+    out |= {f"lost_{stem}": listed(lambda d: d > 0), f"won_{stem}": listed(lambda d: d < 0)}
+  return out
 
 
 def _same_text(texts: dict[str, dict[tuple, str]], reference: str, policy: str, shared: list[tuple]) -> dict:

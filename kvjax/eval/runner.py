@@ -97,7 +97,7 @@ def prompt_ids(tokenizer, sample: Sample) -> list[int]:
   return tokenizer.encode(sample.text + "\n" + sample.answer_prefix)
 
 
-REFERENCE = "full"  # the label whose logits give the other records' `full_margin_at_split`
+REFERENCE = "full"  # the label whose logits give the other records' split fields (`split_at_reference`)
 
 
 def top2_margins(logits: np.ndarray) -> np.ndarray:  # [steps, vocab] -> [steps]
@@ -106,18 +106,42 @@ def top2_margins(logits: np.ndarray) -> np.ndarray:  # [steps, vocab] -> [steps]
   return top2[..., 1] - top2[..., 0]
 
 
-def margin_at_split(reference_tokens: Sequence[int], tokens: Sequence[int],
-                    reference_margins: np.ndarray) -> float | None:  # margins [steps]
-  """The reference's top-2 margin at the first token where `tokens` departs from
-  `reference_tokens` (None where neither departs from the other or the reference has no logits
-  there). Up to that token both decoded the same prefix, so the margin says how close the
-  reference itself was to the other choice: a policy that turns a near-tie turns what bfloat16
-  rounding or another batch could turn too."""
+def first_split(reference_tokens: Sequence[int], tokens: Sequence[int]) -> int | None:
+  """The index of the first token where `tokens` departs from `reference_tokens` (one of them
+  ending there counts as departing), None where both are the same."""
   n = min(len(reference_tokens), len(tokens))
   split = next((i for i in range(n) if reference_tokens[i] != tokens[i]), n)
-  if split == n and len(reference_tokens) == len(tokens):
-    return None
-  return float(reference_margins[split]) if split < len(reference_margins) else None
+  return None if split == n and len(reference_tokens) == len(tokens) else split
+
+
+def split_at_reference(reference_tokens: Sequence[int], tokens: Sequence[int], reference_logits: np.ndarray,
+                       stop_tokens: Sequence[int]) -> dict:  # reference_logits [steps, vocab]
+  """What the greedy reference's own logits say at the first token where `tokens` departs from it.
+
+  Both decoded the same prefix up to that token, so the reference's logits there score the
+  policy's choice as the reference saw it:
+    full_margin_at_split: the reference's top-1 minus top-2 logit (how near it was to any other token);
+    full_gap_at_split: its top-1 minus its logit of the token the policy chose (the best-scored stop
+      token where the policy stopped there), 0 < gap, = the margin where the policy took its runner-up;
+    full_rank_at_split: that token's place in its ranking (1: its runner-up).
+  A loss at a gap near 0 turns a near-tie of the reference itself, which bfloat16 rounding or another
+  batch turns as well; a loss at a wide gap or a far rank is the policy's own. Every field is None
+  where the tokens never depart, or the reference has no logits there (it ended by `stop_when` or
+  its token budget), or the policy ended with no stop token to score.
+  """
+  fields = ("full_margin_at_split", "full_gap_at_split", "full_rank_at_split")
+  split = first_split(reference_tokens, tokens)
+  if split is None or split >= len(reference_logits):
+    return dict.fromkeys(fields)
+  row = np.asarray(reference_logits[split], np.float32)  # [vocab]
+  if split < len(tokens):
+    chosen = float(row[tokens[split]])
+  elif stop_tokens:  # the policy chose a stop token where the reference went on
+    chosen = float(row[list(stop_tokens)].max())
+  else:
+    return dict.fromkeys(fields)
+  margin = float(top2_margins(row[None])[0])
+  return dict(zip(fields, (round(margin, 4), round(float(row.max()) - chosen, 4), int((row > chosen).sum()))))
 
 
 def _jsonable(value):
@@ -193,8 +217,9 @@ def run_sample(
     decode_seconds (the whole decode call's wall time), policy_stats, and with a store
     context_loaded, context_load_seconds and context_made_by (the group's prefill_seconds are then
     those of the run that made it). Where a spec is labelled "full" the other records also
-    carry full_margin_at_split (`margin_at_split`: full's top-2 logit margin where their tokens
-    first depart from full's, None where they never do).
+    carry full_margin_at_split, full_gap_at_split and full_rank_at_split (`split_at_reference`:
+    full's logits where their tokens first depart from full's, None where they never do); full's
+    decode_seconds then include copying its logits to the host each step (its ms_per_token do not).
   """
   if model.tokenizer is None:
     raise ValueError(f"model {model.cfg.name!r} has no tokenizer; attach one to run text tasks")
@@ -214,7 +239,7 @@ def run_sample(
 
   records: list[dict | None] = [None] * len(policies)
   tokens: list[list[int]] = [[] for _ in policies]
-  reference_margins = None
+  reference_logits = None  # [steps, vocab] float32, kept until every member has decoded
   for members in groups.values():
     first = policies[members[0]]
     stored = None
@@ -241,19 +266,18 @@ def run_sample(
                             stop_when=stop_when, return_logits=is_reference)
       tokens[i] = result.tokens[0]
       if is_reference:
-        reference_margins = top2_margins(result.logits[:, 0])
+        reference_logits = np.asarray(result.logits[:, 0], np.float32)
       records[i] = _record(sample, policies[i], result, ids, shared=len(members) > 1, copy_seconds=copy_seconds,
                            copy_times=member_context.setup_times,
                            decode_seconds=time.perf_counter() - t1) | {"early_stop": early_stop}
       if stored is not None:
         records[i] |= {"context_loaded": stored.loaded, "context_load_seconds": stored.load_seconds,
                        "context_made_by": stored.made_by}
-  if reference_margins is not None:
+  if reference_logits is not None:
     ref = labels.index(REFERENCE)
     for i, record in enumerate(records):
       if i != ref:
-        margin = margin_at_split(tokens[ref], tokens[i], reference_margins)
-        record["full_margin_at_split"] = None if margin is None else round(margin, 4)
+        record |= split_at_reference(tokens[ref], tokens[i], reference_logits, stop)
   return records  # type: ignore[return-value]
 
 
