@@ -78,7 +78,11 @@ def main(argv):
   del argv
   runs = [int(r) for r in FLAGS.runs]
   if min(runs) < 1:
-    raise app.UsageError(f"--runs={FLAGS.runs}: run lengths must be >= 1")
+    raise app.UsageError(f"--runs={','.join(FLAGS.runs)}: run lengths must be >= 1")
+  if len(set(runs)) != len(runs):
+    raise app.UsageError(f"--runs={','.join(FLAGS.runs)}: each run length once (a repeat would merge into one row)")
+  if FLAGS.rounds < 1:
+    raise app.UsageError(f"--rounds={FLAGS.rounds}: must be >= 1")
   L, Hkv, Hq, D = FLAGS.layers, FLAGS.kv_heads, FLAGS.q_heads, FLAGS.dim
   rng = np.random.default_rng(FLAGS.seed)
   total = FLAGS.keys + STEPS * sum(runs) * FLAGS.rounds

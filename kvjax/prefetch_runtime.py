@@ -8,12 +8,13 @@ So this bridge keeps the host off the step: the device attends its ring (sinks +
 plus a buffer of retrieved keys and values the host prepared before the step; the step
 exports every layer's query and the token it evicted; between steps the host
 
-  1. waits for the background indexing of the previous step's evicted tokens (it ran beside
-     the previous exchange's gather and copy, and the device's step),
+  1. waits for the background indexing started by the previous exchange (it ran beside that
+     exchange's gather and copy, and the device's step),
   2. stores the tokens evicted by the step that just ended (a copy; indexed in the background),
   3. searches every layer's index with that step's queries, top-k per query head, on every core
      but those reserved for the thread launching the device's kernels,
-  4. starts the indexing of the new tokens on a background thread (the indexes are not read
+  4. starts indexing stored tokens on a background thread: each layer's in runs of
+     `index_every` every `index_every` exchanges, the layers staggered (the indexes are not read
      again before step 1 of the next exchange),
   5. compares each head's new selection (top-k plus every stored-but-unindexed token, so
      nothing is lost) with what its device slots hold, and gathers only the rows that enter:
@@ -610,7 +611,8 @@ class PrefetchRuntime(HostRuntime):
 
   def _index_overflow(self, layers, batch: int, lengths) -> np.ndarray:  # lengths [num_seqs, L]
     """Indexes now, on the critical path, any (seq, layer) whose unindexed tokens would not
-    fit the tail slots (normally never: one token per step is indexed in the background).
+    fit the tail slots (normally never: the background indexing keeps each layer about
+    `index_every` <= tail_slots // 2 tokens behind).
     Returns the indexed counts [num_seqs, L] after it."""
     indexed = self.context.indexed_counts()
     behind = (lengths - indexed)[:batch, layers]  # [B, T]

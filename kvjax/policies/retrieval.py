@@ -437,8 +437,9 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
   @property
   def index_period(self) -> int:
     """`index_every`, or its default: DEFAULT_INDEX_EVERY (at most tail_slots // 2) with per_step,
-    else 1. Resolved at use, so a context saved before this default (session 49), or decoded
-    with other tail_slots, gets the default that fits."""
+    else 1. Resolved at use, so a context saved with index_every unset, or decoded with other
+    tail_slots, gets the default that fits (contexts saved while 1 was the explicit default,
+    967d0b8..c2d3b52, keep 1 unless the load overrides it)."""
     if self.index_every is not None:
       return self.index_every
     return max(1, min(DEFAULT_INDEX_EVERY, self.tail_slots // 2)) if self.bridge == "per_step" else 1
