@@ -178,6 +178,19 @@ def test_index_every_defaults_to_8_with_per_step_within_the_tail():
   assert RetrievalAttention().index_period == 1  # per_layer indexes at every step
 
 
+def test_index_every_unset_follows_tail_slots_changed_at_load():
+  """A saved context keeps index_every unset, so other tail_slots at load get the default that
+  fits them; an explicit value that no longer fits is refused, naming it."""
+  from kvjax.context_cache import _policy_options, _restore_policy
+
+  saved = {"name": "retrieval", "options": _policy_options(RetrievalAttention(bridge="per_step"))}
+  assert saved["options"]["index_every"] is None
+  assert _restore_policy(saved, {}).index_period == 8
+  assert _restore_policy(saved, {"tail_slots": 8}).index_period == 4
+  with pytest.raises(ValueError, match="index_every=8"):
+    _restore_policy(saved, {"tail_slots": 8, "index_every": 8})
+
+
 def record_index_stored(monkeypatch) -> list:
   """Every HostContext.index_stored call from now on, as (layers, tokens per pair or None, ef)."""
   calls = []
