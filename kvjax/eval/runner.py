@@ -122,7 +122,7 @@ def split_at_reference(reference_tokens: Sequence[int], tokens: Sequence[int], r
   policy's choice as the reference saw it:
     full_margin_at_split: the reference's top-1 minus top-2 logit (how near it was to any other token);
     full_gap_at_split: its top-1 minus its logit of the token the policy chose (the best-scored stop
-      token where the policy stopped there), 0 < gap, = the margin where the policy took its runner-up;
+      token where the policy stopped there), >= 0, = the margin where the policy took its runner-up;
     full_rank_at_split: that token's place in its ranking (1: its runner-up).
   A loss at a gap near 0 turns a near-tie of the reference itself, which bfloat16 rounding or another
   batch turns as well; a loss at a wide gap or a far rank is the policy's own. Every field is None
