@@ -136,15 +136,14 @@ def compare_to_reference(
   rows = list(rows)
   scores: dict[tuple, dict[str, dict[tuple, float]]] = {}
   texts: dict[tuple, dict[str, dict[tuple, str]]] = {}
-  splits: dict[str, dict[tuple, dict[str, dict[tuple, float | None]]]] = {field: {} for field in _SPLIT_LISTS}
+  splits: dict[tuple, dict[str, dict[tuple, dict[str, float | None]]]] = {}
   for r in rows:
     key, at = tuple(r[k] for k in cell), tuple(r[k] for k in sample)
     scores.setdefault(key, {}).setdefault(r["policy"], {})[at] = float(r["score"])
     if r.get("generated") is not None:
       texts.setdefault(key, {}).setdefault(r["policy"], {})[at] = r["generated"]
-    for field in _SPLIT_LISTS:
-      if field in r:
-        splits[field].setdefault(key, {}).setdefault(r["policy"], {})[at] = r[field]
+    if fields := {f: r[f] for f in _SPLIT_LISTS if f in r}:
+      splits.setdefault(key, {}).setdefault(r["policy"], {})[at] = fields
   out = []
   for key, by_policy in scores.items():
     ref = by_policy.get(reference)
@@ -165,8 +164,7 @@ def compare_to_reference(
           f"loss_ci{round(100 * confidence)}": f"[{p.low:.4f}, {p.high:.4f}]", "worse": p.worse, "better": p.better,
           "loss_bound_exact": round(p.exact_high, 4), "verdict": p.verdict(margin),
           "criterion_applies": p.reference > 0.5} | _same_text(texts.get(key, {}), reference, policy, shared)
-          | (_split_lists({f: splits[f].get(key, {}).get(policy, {}) for f in _SPLIT_LISTS}, ref, cand, shared)
-             if reference == "full" else {}))  # the fields score full's logits (kvjax.eval.runner.REFERENCE)
+          | (_split_lists(splits.get(key, {}).get(policy, {}), ref, cand, shared) if reference == "full" else {}))  # the fields score full's logits (kvjax.eval.runner.REFERENCE)
   return out
 
 
@@ -175,7 +173,7 @@ def compare_to_reference(
 _SPLIT_LISTS = {"full_margin_at_split": "margins", "full_gap_at_split": "gaps"}
 
 
-def _split_lists(splits: dict[str, dict[tuple, float | None]], ref: dict[tuple, float], cand: dict[tuple, float],
+def _split_lists(splits: dict[tuple, dict[str, float | None]], ref: dict[tuple, float], cand: dict[tuple, float],
                  shared: list[tuple]) -> dict:
   """{"lost_margins", "won_margins", "lost_gaps", "won_gaps"}: on the samples the policy lost and
   won, ascending, full's top-2 margin and its gap to the policy's token (its top-1 logit minus its
@@ -185,16 +183,20 @@ def _split_lists(splits: dict[str, dict[tuple, float | None]], ref: dict[tuple, 
   near-tie of full itself, which any perturbation (bfloat16 rounding, another batch) can turn
   either way; a loss at a wide gap is the policy's own (the margin alone can be small where the
   policy took a token far below full's runner-up)."""
+  lost = [s for s in shared if ref[s] > cand[s]]
+  won = [s for s in shared if ref[s] < cand[s]]
   out = {}
   for field, stem in _SPLIT_LISTS.items():
-    values = splits[field]
-    if not shared or not all(s in values for s in shared):
-      continue
-    def listed(which):  # None (full has no logits at the split) last
-      found = [values[s] for s in shared if which(ref[s] - cand[s])]
-      return sorted(round(m, 2) for m in found if m is not None) + [None] * found.count(None)
-    out |= {f"lost_{stem}": listed(lambda d: d > 0), f"won_{stem}": listed(lambda d: d < 0)}
+    if all(field in splits.get(s, {}) for s in shared):
+      out |= {f"lost_{stem}": _ascending(splits[s][field] for s in lost),
+              f"won_{stem}": _ascending(splits[s][field] for s in won)}
   return out
+
+
+def _ascending(values) -> list:
+  """Rounded to 2 decimals and sorted, None (full had no logits at the split) last."""
+  values = list(values)
+  return sorted(round(v, 2) for v in values if v is not None) + [None] * values.count(None)
 
 
 def _same_text(texts: dict[str, dict[tuple, str]], reference: str, policy: str, shared: list[tuple]) -> dict:

@@ -314,7 +314,8 @@ class RetrievalAttention(HostBackedMixin, DenseLayersMixin, AttentionPolicy):
     time a token against 1.51x / 1.39x with 1 (4: 1.44x / 1.36x), the same searches and
     corrections in every row: the host's searches and gathers ran faster beside an indexing that
     finds each graph in cache (experiments/results/bench_scale_smollm2shapes_synthetic_128k_s49_index_every*.md;
-    kvjax.prefetch_runtime.PrefetchRuntime). Up to 8 more tokens a layer are attended exactly meanwhile.
+    kvjax.prefetch_runtime.PrefetchRuntime); on the H200, 1.20x against 1.28x (..._s50_default_h200.md).
+    Up to 8 more tokens a layer are attended exactly meanwhile.
   """
 
   index: str = "roar"
