@@ -119,10 +119,15 @@ def seeds_from_run(spec: str) -> list[int]:
 
 
 def seed_text(seeds: list[int]) -> str:
-  """'0-49' for a run of consecutive seeds, else '5, 16, 32'."""
-  if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
-    return f"{seeds[0]}-{seeds[-1]}"
-  return ", ".join(map(str, seeds))
+  """The seeds in their order, each run of three or more consecutive ones shortened:
+  '0-49', '5, 16, 32', '0-34, 40, 41'."""
+  runs: list[list[int]] = []
+  for s in seeds:
+    if runs and s == runs[-1][-1] + 1:
+      runs[-1].append(s)
+    else:
+      runs.append([s])
+  return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def ints(values: list[str], flag: str) -> list[int]:

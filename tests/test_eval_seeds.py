@@ -31,10 +31,12 @@ def test_bad_seeds_are_refused_by_name(seeds, samples, match):
     eval_common.sample_seeds(seeds, seed=0, samples=samples)
 
 
-def test_seed_text_shortens_consecutive_runs_only():
+def test_seed_text_shortens_each_run_of_three_or_more():
   assert eval_common.seed_text(list(range(30, 50))) == "30-49"
   assert eval_common.seed_text([5, 16, 32]) == "5, 16, 32"
   assert eval_common.seed_text([7]) == "7"
+  assert eval_common.seed_text([0, 1, 2, 3, 40, 41, 50]) == "0-3, 40, 41, 50"
+  assert eval_common.seed_text([39, 5, 6, 7]) == "39, 5-7"  # the order given (a --seeds list) is kept
 
 
 def test_seeds_from_an_earlier_run(tmp_path):
