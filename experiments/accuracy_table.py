@@ -49,7 +49,7 @@ FAST = "fast"  # retrieval per_step lag 2 --speculative, roar per KV head, top-1
 OLD_FAST = "fast (older defaults)"  # the same at an earlier commit, before some of today's defaults (legend)
 CELLS = (
     Cell(SMOL, "niah_single_1", 4096, "ruler_smollm2_4k_niah1_50", "retrieval(index=roar,topk=100)", "retrieval per_layer"),
-    Cell(SMOL, "niah_single_1", 4096, "ruler_smollm2_4k_niah1_defaults_cpu_169", "fast", FAST),
+    Cell(SMOL, "niah_single_1", 4096, "ruler_smollm2_4k_niah1_defaults_cpu_280", "fast", FAST),
     Cell(SMOL, "niah_single_1", 4096, "ruler_smollm2_4k_niah1_50", "freekv", "freekv"),
     Cell(SMOL, "niah_single_1", 4096, "ruler_smollm2_4k_niah1_50", "streaming", "streaming"),
     Cell(SMOL, "niah_single_2", 4096, "ruler_smollm2_4k_niah2_50", "retrieval(index=roar,topk=100)", "retrieval per_layer"),
@@ -124,7 +124,7 @@ def cell_row(cell: Cell) -> dict:
           "n": str(s["n"]), "seeds": eval_common.seed_text(seeds), "hardware": hardware(doc), "commit": commit_text(doc),
           "full": f"{s['full_score']:.3f}", "score": f"{s['score']:.3f}", "lost / won": f"{s['worse']} / {s['better']}",
           "loss [95% CI]": f"{s['loss']:.3f} [{low:.3f}, {high:.3f}]",
-          "exact bound": f"{s['loss_bound_exact']:.3f}", "verdict": verdict_text(s), "file": f"`{cell.file}`"}
+          "exact bound": f"{s['loss_bound_exact']:.4f}", "verdict": verdict_text(s), "file": f"`{cell.file}`"}
 
 
 def table() -> str:
