@@ -141,7 +141,7 @@ def study_sample(model, seed: int, budgets: list[int]) -> list[dict]:
 
   sample = tasks.make_sample(FLAGS.task, model.tokenizer, length=FLAGS.length, seed=seed)
   ids = prompt_ids(model.tokenizer, sample)
-  q, k, generated, _ = recall.capture_vectors(model, ids, decode_steps=FLAGS.steps)
+  q, k, _, generated, _ = recall.capture_vectors(model, ids, decode_steps=FLAGS.steps)
   q, k = q.astype(np.float32), k.astype(np.float32)  # [L, Hq, T, D], [L, Hkv, T, D]
   L, Hq, _, D = q.shape
   Hkv, G, n = k.shape[1], Hq // k.shape[1], len(ids)

@@ -78,7 +78,7 @@ def study_sample(model, seed: int, counts: list[int], windows: list[int]) -> lis
 
   sample = tasks.make_sample(FLAGS.task, model.tokenizer, length=FLAGS.length, seed=seed)
   ids = prompt_ids(model.tokenizer, sample)
-  q, k, _, _ = recall.capture_vectors(model, ids, decode_steps=1)
+  q, k, _, _, _ = recall.capture_vectors(model, ids, decode_steps=1)
   n = len(ids)
   L, Hq, _, _ = q.shape
   G = Hq // k.shape[1]

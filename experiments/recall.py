@@ -388,11 +388,12 @@ def prompt_tokens(tokenizer, n: int, text: str, seed: int) -> list[int]:
 
 
 def capture_vectors(model, tokens, *, decode_steps: int):
-  """Runs the prompt, then `decode_steps` greedy steps, capturing post-RoPE q and k.
+  """Runs the prompt, then `decode_steps` greedy steps, capturing post-RoPE q and k, and v.
 
   Returns:
     q: [L, Hq, N + steps, D] float16 queries, k: [L, Hkv, N + steps, D] float16 keys,
-    generated: [steps] int32 greedy tokens, seconds: {"prefill", "decode"}.
+    v: [L, Hkv, N + steps, D] float16 values, generated: [steps] int32 greedy tokens,
+    seconds: {"prefill", "decode"}.
   """
   import jax
   import jax.numpy as jnp
@@ -439,27 +440,29 @@ def capture_vectors(model, tokens, *, decode_steps: int):
     nxt, state = step(model.params, nxt[:, None], state, jnp.full((1, 1), n + i, jnp.int32))
   jax.block_until_ready(state)
   t_decode = time.perf_counter() - t0
-  kc, _, qc = state
+  kc, vc, qc = state
   q = np.asarray(qc, np.float16)
-  k = np.asarray(kc[:, 0], np.float16)
-  return q, k, np.asarray(generated, np.int32), {"prefill": t_prefill, "decode": t_decode}
+  k, v = np.asarray(kc[:, 0], np.float16), np.asarray(vc[:, 0], np.float16)
+  return q, k, v, np.asarray(generated, np.int32), {"prefill": t_prefill, "decode": t_decode}
 
 
 def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, seed: int, cache_dir: str,
-                    model=None):
+                    model=None, need_values: bool = False):
   """Captured vectors from the .npz cache, or from a model run (then cached).
 
-  Returns a dict: q [L, Hq, N+S, D] f16, k [L, Hkv, N+S, D] f16, tokens [N+S], generated text,
-  capture seconds, group size, and whether it came from the cache.
+  Returns a dict: q [L, Hq, N+S, D] f16, k and v [L, Hkv, N+S, D] f16, tokens [N+S], generated
+  text, capture seconds, group size, and whether it came from the cache. A cache file written
+  before values were captured has no v: with `need_values` it is captured again (and replaced).
   """
   tag = hashlib.sha1(f"{model_name}|{n}|{decode_steps}|{text}|{seed}".encode()).hexdigest()[:10]
   path = os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', model_name)}_{n}_{tag}.npz")
   if os.path.isfile(path):
     with np.load(path) as z:
       out = {key: z[key] for key in z.files}
-    out["meta"] = json.loads(str(out["meta"]))
-    out["meta"]["from_cache"] = path
-    return out
+    if "v" in out or not need_values:
+      out["meta"] = json.loads(str(out["meta"]))
+      out["meta"]["from_cache"] = path
+      return out
   if model is None:
     from models.registry import load_model
 
@@ -474,7 +477,7 @@ def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, se
     tokens, needle_span = needle_tokens(model.tokenizer, n, float(text[len("needle"):]), seed)
   else:
     tokens = prompt_tokens(model.tokenizer, n, text, seed)
-  q, k, gen, secs = capture_vectors(model, tokens, decode_steps=decode_steps)
+  q, k, v, gen, secs = capture_vectors(model, tokens, decode_steps=decode_steps)
   meta = {"model": model.cfg.name, "source": model.source, "n": n, "decode_steps": decode_steps, "text": text,
           "capture_s": {key: round(v, 2) for key, v in secs.items()},
           "generated": model.tokenizer.decode(gen.tolist()) if model.tokenizer is not None else gen.tolist(),
@@ -483,10 +486,11 @@ def load_or_capture(model_name: str, n: int, *, decode_steps: int, text: str, se
     meta["needle_span"] = list(needle_span)
   os.makedirs(cache_dir, exist_ok=True)
   tmp = path + f".tmp{os.getpid()}.npz"
-  np.savez(tmp, q=q, k=k, tokens=np.asarray(list(tokens) + gen.tolist(), np.int32), meta=json.dumps(meta))
+  all_tokens = np.asarray(list(tokens) + gen.tolist(), np.int32)
+  np.savez(tmp, q=q, k=k, v=v, tokens=all_tokens, meta=json.dumps(meta))
   os.replace(tmp, path)
   meta["from_cache"] = None
-  return {"q": q, "k": k, "tokens": np.asarray(list(tokens) + gen.tolist(), np.int32), "meta": meta}
+  return {"q": q, "k": k, "v": v, "tokens": all_tokens, "meta": meta}
 
 
 # ------------------------------------------------------------------ the real-vector study
