@@ -7,9 +7,10 @@ key is dropped, so its softmax mass is lost and the output renormalizes over wha
 The multiquery losses (README, Open 1) need a selection both fresh and large; this study asks
 whether a cheap estimate of the dropped tail does what a larger selection does.
 
-Tail estimate: the host keys of each (layer, KV head) are grouped by k-means into
-C = n_host / cluster_size clusters, each keeping its key sum, value sum, count n_j and per-channel
-key variance. At step t the r_j selected keys of cluster j are attended exactly; the other
+Tail estimate: the host keys of each (layer, KV head) are grouped into C = n_host / size clusters,
+by k-means on the keys (`km<size>`) or as contiguous pages of `size` tokens (`pg<size>`: free to
+compute at prefill, FreeKV's page layout), each keeping its key sum, value sum, count n_j and
+per-channel key variance. At step t the r_j selected keys of cluster j are attended exactly; the other
 n_j - r_j enter as one pseudo-key with the mean key c'_j and mean value u'_j of the unselected
 members (the selected members' sums subtracted: their scores and values are at hand on the
 device), logit scale q.c'_j + log(n_j - r_j), and in the `var` variant plus
@@ -56,7 +57,9 @@ _LAYERS = flags.DEFINE_list("layers", [], "layers (default: every full-attention
 _SINKS = flags.DEFINE_integer("sinks", 128, "first tokens kept on the device", **_O)
 _WINDOW = flags.DEFINE_integer("window", 512, "last prompt tokens kept on the device", **_O)
 _KS = flags.DEFINE_list("ks", ["0", "100", "300", "1000", "2000"], "top-k sizes (0: no selection)", **_O)
-_SIZES = flags.DEFINE_list("cluster_sizes", ["32", "128"], "host keys per k-means cluster (C = n_host / size)")
+_GROUPS = flags.DEFINE_list("groupings", ["km32", "km128", "pg32"],
+                            "clusterings of the host keys: km<size> (k-means, n_host / size clusters) or "
+                            "pg<size> (contiguous pages of size tokens)")
 _ITERS = flags.DEFINE_integer("kmeans_iters", 10, "k-means iterations")
 _CACHE = flags.DEFINE_string("cache_dir", "/tmp/kvjax_recall", "recall.py's .npz cache", **_O)
 _SEED = flags.DEFINE_integer("seed", 0, "capture and k-means seed (the capture's is part of its cache key)", **_O)
@@ -190,15 +193,15 @@ def relative_error(out, ref):
 def head_errors(queries, host: dict, device: tuple, *, scale: float, ks, variants):
   """Errors of one query head over the S decode steps -> {name: [S]}.
 
-  queries [S + 2, D]: q at positions N-2 .. N+S-1 (row j + 2 is step j); host: {size: Clusters}
+  queries [S + 2, D]: q at positions N-2 .. N+S-1 (row j + 2 is step j); host: {grouping: Clusters}
   of the KV head's host keys (any one gives the keys and values, in its own order); device:
   (logits [S, n_dev] with -inf past the causal limit, values [n_dev, D]). Names: sparse_<sel>@k,
-  tail<size>_<sel>@k, tailvar<size>_<sel>@k.
+  tail_<grouping>_<sel>@k, tailvar_<grouping>_<sel>@k.
   """
   q64 = np.asarray(queries, np.float64)  # float64 scores: the singleton-cluster check is exact
   dev = partial(*device)
   out = {}
-  for size, c in host.items():
+  for grouping, c in host.items():
     logits = scale * (q64 @ c.keys.T)  # [S + 2, n] in this clustering's order
     now, lag2 = logits[2:], logits[:-2]
     full = merge(dev, partial(now, c.values))
@@ -211,11 +214,28 @@ def head_errors(queries, host: dict, device: tuple, *, scale: float, ks, variant
           out[key] = relative_error(merge(dev, chosen), full)
         for name, variance in variants:
           tail = tail_partial(q64[2:], now, selected, c, scale=scale, variance=variance)
-          out[f"{name}{size}_{sel}@{k}"] = relative_error(merge(dev, chosen, tail), full)
+          out[f"{name}_{grouping}_{sel}@{k}"] = relative_error(merge(dev, chosen, tail), full)
   return out
 
 
-def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, sizes, iters, seed, variants):
+def parse_grouping(grouping: str) -> tuple[str, int]:
+  """'km32' -> ('km', 32); ValueError naming anything else."""
+  match = re.fullmatch(r"(km|pg)([1-9][0-9]*)", grouping)
+  if not match:
+    raise ValueError(f"grouping {grouping!r}: expected km<size> or pg<size>, size >= 1")
+  return match.group(1), int(match.group(2))
+
+
+def cluster_labels(keys, grouping: str, *, iters: int, seed: int):
+  """Cluster of each host key [n, D] by `grouping` -> (labels [n], clusters)."""
+  method, size = parse_grouping(grouping)
+  if method == "pg":  # the last page may be short
+    return np.arange(len(keys)) // size, -(-len(keys) // size)
+  clusters = max(1, len(keys) // size)
+  return kmeans(keys, clusters, iters=iters, seed=seed), clusters
+
+
+def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, groupings, iters, seed, variants):
   """head_errors for every query head of one layer -> {name: [Hq, S]}."""
   Hq, Hkv = q.shape[1], k.shape[1]
   group = Hq // Hkv
@@ -226,8 +246,8 @@ def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, sizes, i
   for g in range(Hkv):
     keys = k[layer, g, sinks:n - window].astype(np.float32)
     values = v[layer, g, sinks:n - window].astype(np.float32)
-    host = {size: Clusters(keys, values, kmeans(keys, max(1, n_host // size), iters=iters, seed=seed),
-                           max(1, n_host // size)) for size in sizes}
+    host = {g_name: Clusters(keys, values, *cluster_labels(keys, g_name, iters=iters, seed=seed))
+            for g_name in groupings}
     dev_k, dev_v = k[layer, g, dev_pos].astype(np.float32), v[layer, g, dev_pos].astype(np.float32)
     for h in range(g * group, (g + 1) * group):
       qs = q[layer, h, n - 2:n + steps].astype(np.float64)
@@ -237,7 +257,7 @@ def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, sizes, i
 
 
 # ------------------------------------------------------------------ the study
-def summary_rows(per_layer: dict, *, ks, sizes, variants) -> list[dict]:
+def summary_rows(per_layer: dict, *, ks, groupings, variants) -> list[dict]:
   """One row per (layer or 'all', selection, k): the percentiles of every estimator's error."""
   rows = []
   everything = {key: np.concatenate([m[key].ravel() for m in per_layer.values()]) for key in
@@ -246,7 +266,7 @@ def summary_rows(per_layer: dict, *, ks, sizes, variants) -> list[dict]:
     for sel in SELECTIONS:
       for k in ks:
         row = {"layer": layer, "selection": sel, "k": k}
-        names = [f"sparse_{sel}@{k}"] + [f"{name}{size}_{sel}@{k}" for size in sizes for name, _ in variants]
+        names = [f"sparse_{sel}@{k}"] + [f"{name}_{g}_{sel}@{k}" for g in groupings for name, _ in variants]
         for key in names:
           errs = np.asarray(m[key]).ravel()
           label = key.split("@")[0].replace(f"_{sel}", "")
@@ -257,33 +277,33 @@ def summary_rows(per_layer: dict, *, ks, sizes, variants) -> list[dict]:
   return rows
 
 
-def interpret(rows, *, ks, sizes, n_host: int, dim: int) -> str:
+def interpret(rows, *, ks, groupings, n_host: int, dim: int) -> str:
   """What the 'all' rows say, in sentences."""
   get = {(r["selection"], r["k"]): r for r in rows if r["layer"] == "all"}
   lines = []
   for sel in SELECTIONS:
-    parts = []
-    for k in ks:
-      r = get[(sel, k)]
-      best = min(sizes)
-      parts.append(f"top-{k}: {r['sparse_p50']:.4f} -> {r[f'tail{best}_p50']:.4f} (var {r[f'tailvar{best}_p50']:.4f})")
-    lines.append(f"median relative error, {sel} selection, without -> with the tail estimate at cluster size "
-                 f"{min(sizes)}: " + "; ".join(parts) + ".")
-  mem = ", ".join(f"size {s}: {(2 * dim + 1) / (s * 2 * dim):.3f} of the host K+V" for s in sizes)
-  lines.append(f"Summary memory (mean key, mean value, count) per KV head: {mem} ({n_host} host keys).")
+    for g in groupings:
+      parts = [f"top-{k}: {get[(sel, k)]['sparse_mean']:.4f} -> {get[(sel, k)][f'tail_{g}_mean']:.4f} "
+               f"(var {get[(sel, k)][f'tailvar_{g}_mean']:.4f})" for k in ks]
+      lines.append(f"Mean relative error, {sel} selection, without -> with the tail estimate {g}: "
+                   + "; ".join(parts) + ".")
+  mem = ", ".join(f"{g}: {(2 * dim + 1) / (parse_grouping(g)[1] * 2 * dim):.3f}" for g in groupings)
+  lines.append(f"Summary memory (key and value sums, count) per KV head, as a share of the host part's K+V "
+               f"({n_host} keys): {mem}.")
   return " ".join(lines)
 
 
-def run(model_name, *, n, steps, text, layers, sinks, window, ks, sizes, iters, cache_dir, seed, name, out_dir,
+def run(model_name, *, n, steps, text, layers, sinks, window, ks, groupings, iters, cache_dir, seed, name, out_dir,
         model=None, log=print):
   """The whole study; returns (rows, notes)."""
   from experiments.results_io import write_results, write_text_atomic
 
   n_host = n - window - sinks
+  sizes = [parse_grouping(g)[1] for g in groupings]  # ValueError on a bad one, before any work
   if n_host < max(max(ks), max(sizes)):
-    raise ValueError(f"only {n_host} host keys (N={n}, {sinks=}, {window=}) for ks={ks}, cluster sizes={sizes}")
-  if min(ks) < 0 or min(sizes) < 1:
-    raise ValueError(f"ks={ks} must be >= 0 and cluster sizes={sizes} >= 1")
+    raise ValueError(f"only {n_host} host keys (N={n}, {sinks=}, {window=}) for ks={ks}, groupings={groupings}")
+  if min(ks) < 0:
+    raise ValueError(f"ks={ks} must be >= 0")
   t0 = time.perf_counter()
   data = recall.load_or_capture(model_name, n, decode_steps=steps, text=text, seed=seed, cache_dir=cache_dir,
                                 model=model, need_values=True)
@@ -306,12 +326,12 @@ def run(model_name, *, n, steps, text, layers, sinks, window, ks, sizes, iters, 
   for layer in layers:
     tl = time.perf_counter()
     per_layer[layer] = layer_errors(q, k, v, layer, n=n, steps=steps, sinks=sinks, window=window, scale=scale,
-                                    ks=ks, sizes=sizes, iters=iters, seed=seed, variants=variants)
+                                    ks=ks, groupings=groupings, iters=iters, seed=seed, variants=variants)
     log(f"layer {layer}: {time.perf_counter() - tl:.1f} s")
   study_s = time.perf_counter() - t1
   Hq, Hkv, dim = q.shape[1], k.shape[1], q.shape[-1]
   del q, k, v, data
-  rows = summary_rows(per_layer, ks=ks, sizes=sizes, variants=variants)
+  rows = summary_rows(per_layer, ks=ks, groupings=groupings, variants=variants)
   source = pathlib.Path(meta["from_cache"]).name if meta["from_cache"] else "a fresh run"
   notes = (
       f"{meta['model']} ({meta['source']}), prompt N = {n} tokens of `{text}` text then {steps} greedy decode steps, "
@@ -320,15 +340,16 @@ def run(model_name, *, n, steps, text, layers, sinks, window, ks, sizes, iters, 
       f"[{n - window}, N + t] (causal); host part: keys [{sinks}, {n - window}) = {n_host} a KV head. "
       f"Per (layer, query head, step): relative L2 error of the attention output against full causal attention, "
       f"for the device part + the exact top-k of q_t (fresh) or of q_t-2 (lag2) [sparse], and the same plus the "
-      f"k-means tail estimate at each cluster size [tail<size>: mean key and value of each cluster's unselected "
-      f"members, logit + log(count)] and with the key-variance term [tailvar<size>]; k-means {iters} iterations, "
+      f"tail estimate of each grouping [tail_<grouping>: mean key and value of each cluster's unselected members, "
+      f"logit + log(count); km<size> = k-means, {iters} iterations, pg<size> = contiguous pages] and with the "
+      f"key-variance term [tailvar_<grouping>]; "
       f"seed {seed}. Columns: mean, p50 and p90 over (layer, head, step). Study time {study_s:.0f} s.\n\n"
-      + interpret(rows, ks=ks, sizes=sizes, n_host=n_host, dim=dim) + "\n")
+      + interpret(rows, ks=ks, groupings=groupings, n_host=n_host, dim=dim) + "\n")
   if not name:
     name = f"tail_estimate_{re.sub(r'[^a-z0-9]+', '', model_name.lower())}_{round(n / 1024)}k"
   doc = write_results(name, rows, out_dir=out_dir or None, notes=notes)
   doc["meta"] = {key: val for key, val in meta.items() if key != "from_cache"} | {
-      "study_s": round(study_s, 1), "layers": layers, "ks": list(ks), "cluster_sizes": list(sizes),
+      "study_s": round(study_s, 1), "layers": layers, "ks": list(ks), "groupings": list(groupings),
       "kmeans_iters": iters, "sinks": sinks, "window": window, "scale": scale}
   directory = pathlib.Path(out_dir) if out_dir else pathlib.Path(__file__).resolve().parent / "results"
   write_text_atomic(directory / f"{name}.json", json.dumps(doc, indent=1) + "\n")
@@ -339,12 +360,11 @@ def main(argv):
   del argv
   try:
     ks = [int(x) for x in _KS.value]
-    sizes = [int(x) for x in _SIZES.value]
     layers = [int(x) for x in _LAYERS.value]
   except ValueError as e:
-    raise app.UsageError(f"--ks, --cluster_sizes, --layers: {e}")
+    raise app.UsageError(f"--ks, --layers: {e}")
   _, notes = run(_MODEL.value, n=_CONTEXT.value, steps=_STEPS.value, text=_TEXT.value, layers=layers,
-                 sinks=_SINKS.value, window=_WINDOW.value, ks=ks, sizes=sizes, iters=_ITERS.value,
+                 sinks=_SINKS.value, window=_WINDOW.value, ks=ks, groupings=_GROUPS.value, iters=_ITERS.value,
                  cache_dir=_CACHE.value, seed=_SEED.value, name=_NAME.value, out_dir=_OUT.value)
   print(notes)
 

@@ -112,11 +112,15 @@ def test_layer_errors_vanish_when_the_selection_covers_the_host_part():
   cap = _capture(rng)
   n_host = 300 - 32 - 8
   m = te.layer_errors(cap["q"], cap["k"], cap["v"], 1, n=300, steps=5, sinks=8, window=32, scale=0.25,
-                      ks=[0, 10, n_host], sizes=[1, 20], iters=3, seed=0, variants=(("tail", False),))
+                      ks=[0, 10, n_host], groupings=["km1", "km20", "pg1", "pg32"], iters=3, seed=0,
+                      variants=(("tail", False),))
   assert m["sparse_fresh@10"].shape == (4, 5)
   for sel in te.SELECTIONS:
-    assert np.all(m[f"sparse_{sel}@{n_host}"] < 1e-12) and np.all(m[f"tail20_{sel}@{n_host}"] < 1e-12)
-    assert np.all(m[f"tail1_{sel}@0"] < 1e-9)  # singleton clusters: exact without any selection
+    assert np.all(m[f"sparse_{sel}@{n_host}"] < 1e-12)
+    assert np.all(m[f"tail_km20_{sel}@{n_host}"] < 1e-12) and np.all(m[f"tail_pg32_{sel}@{n_host}"] < 1e-12)
+    for single in ("km1", "pg1"):  # singleton clusters: exact without any selection
+      assert np.all(m[f"tail_{single}_{sel}@0"] < 1e-9)
+    assert np.all(m[f"tail_pg32_{sel}@0"] < m[f"sparse_{sel}@0"])  # what the pages add is not nothing
     assert np.all(m[f"sparse_{sel}@0"] > 0)
   # the fresh selection is the exact top-k: its sparse error is at most lag 2's on average
   assert m["sparse_fresh@10"].mean() <= m["sparse_lag2@10"].mean()
@@ -138,15 +142,18 @@ def test_run_writes_results_and_refuses_bad_sizes(tmp_path, monkeypatch):
   monkeypatch.setattr(te.recall, "load_or_capture", lambda *a, **kw: cap)
   kw = dict(n=300, steps=5, text="docs", layers=[], sinks=8, window=32, iters=2, cache_dir="", seed=0,
             out_dir=str(tmp_path), log=lambda s: None)
-  rows, notes = te.run("synthetic", ks=[0, 10, 50], sizes=[4, 16], name="te_tiny", **kw)
+  rows, notes = te.run("synthetic", ks=[0, 10, 50], groupings=["km4", "pg16"], name="te_tiny", **kw)
   assert len(rows) == (3 + 1) * 2 * 3 and rows[-1]["layer"] == "all"
   doc = json.loads((tmp_path / "te_tiny.json").read_text())
-  assert doc["meta"]["cluster_sizes"] == [4, 16] and "tailvar16_p90" in doc["rows"][0]
-  assert "median relative error" in notes and (tmp_path / "te_tiny.md").exists()
+  assert doc["meta"]["groupings"] == ["km4", "pg16"] and "tailvar_pg16_p90" in doc["rows"][0]
+  assert "Mean relative error" in notes and (tmp_path / "te_tiny.md").exists()
   with pytest.raises(ValueError, match="260 host keys"):
-    te.run("synthetic", ks=[300], sizes=[4], name="x", **kw)
-  with pytest.raises(ValueError, match="cluster sizes"):
-    te.run("synthetic", ks=[10], sizes=[0], name="x", **kw)
+    te.run("synthetic", ks=[300], groupings=["km4"], name="x", **kw)
+  for bad in ("km0", "pages32", "pg"):
+    with pytest.raises(ValueError, match=repr(bad)):
+      te.run("synthetic", ks=[10], groupings=[bad], name="x", **kw)
+  with pytest.raises(ValueError, match="ks=.-1"):
+    te.run("synthetic", ks=[-1], groupings=["km4"], name="x", **kw)
 
 
 def test_capture_without_values_is_taken_again_when_values_are_needed(tmp_path):
