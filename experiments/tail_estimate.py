@@ -168,8 +168,9 @@ def selection_mask(scores, k: int):
 def tail_partial(q, host_logits, selected, c: Clusters, *, scale: float, variance: bool):
   """The unselected host keys as one pseudo-key a cluster.
 
-  q [S, D] float32; host_logits [S, n] (scale q.k, cluster order); selected [S, n] bool ->
-  (lse [S], out [S, D]).
+  q [S, D]; host_logits [S, n] (scale q.k, cluster order); selected [S, n] bool -> (lse [S], out [S, D]).
+  A device version would keep key_sum, value_sum and counts and subtract the selected members'
+  scores and values, which it holds anyway.
   """
   left = c.counts[None, :] - c.per_cluster(selected.astype(np.float64))  # [S, C] unselected members
   sel_logit_sum = c.per_cluster(np.where(selected, host_logits, 0.0))  # [S, C]
@@ -239,7 +240,6 @@ def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, grouping
   """head_errors for every query head of one layer -> {name: [Hq, S]}."""
   Hq, Hkv = q.shape[1], k.shape[1]
   group = Hq // Hkv
-  n_host = n - window - sinks
   dev_pos = np.concatenate([np.arange(sinks), np.arange(n - window, n + steps)])
   causal = dev_pos[None, :] <= n + np.arange(steps)[:, None]  # [S, n_dev]
   per_head = []
