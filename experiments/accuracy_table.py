@@ -56,6 +56,7 @@ CELLS = (
     Cell(SMOL, "niah_single_2", 4096, "ruler_smollm2_4k_niah2_cpu_365", "fast", OLD_FAST),
     Cell(SMOL, "niah_single_2", 4096, "ruler_smollm2_4k_niah2_50", "freekv", "freekv"),
     Cell(SMOL, "niah_single_2", 4096, "ruler_smollm2_4k_niah2_keys4", "freekv_keys4", "freekv keys4"),
+    Cell(SMOL, "niah_single_2", 4096, "ruler_smollm2_4k_niah2_keys4_cpu_183", "freekv_keys4", "freekv keys4"),
     Cell(SMOL, "niah_single_3", 4096, "ruler_smollm2_4k_niah3_tail16_cpu", "fast_t16", OLD_FAST),
     Cell(SMOL, "niah_single_3", 4096, "ruler_smollm2_4k_niah3_defaults_cpu", "freekv_keys4", "freekv keys4"),
     Cell(QWEN, "niah_single_1", 32000, "ruler_qwen_32k_single1_defaults_h200_53", "fast", FAST),
