@@ -90,7 +90,6 @@ def kmeans(x, clusters: int, *, iters: int, seed: int):
     chosen.append(pick)
     nearest = np.minimum(nearest, np.sum((x - x[pick]) ** 2, axis=1))
   centres = x[chosen].copy()
-  labels = np.zeros(len(x), np.int64)
   for _ in range(iters + 1):  # the last pass only assigns
     labels = np.argmax(2.0 * x @ centres.T - np.sum(centres * centres, axis=1), axis=1)
     counts = np.bincount(labels, minlength=clusters)
@@ -104,12 +103,12 @@ def kmeans(x, clusters: int, *, iters: int, seed: int):
 class Clusters:
   """The summaries of one (layer, KV head)'s host keys, with keys and values sorted by cluster.
 
-  keys / values [n, D] float32 in cluster order; starts [C] first row of each cluster; counts [C];
-  key_sum / value_sum / key_var [C, D].
+  order [n]: cluster order's source rows; keys / values [n, D] float32 in cluster order; starts [C]
+  first row of each cluster; counts [C]; key_sum / value_sum / key_var [C, D].
   """
 
   def __init__(self, keys, values, labels, clusters: int):
-    order = np.argsort(labels, kind="stable")
+    self.order = order = np.argsort(labels, kind="stable")
     self.labels = np.asarray(labels)[order]
     self.keys = np.asarray(keys, np.float32)[order]
     self.values = np.asarray(values, np.float32)[order]
@@ -134,17 +133,23 @@ class Clusters:
 
 
 # ------------------------------------------------------------------ partial attention
+# float64 NumPy twins of ops.merge_partials' rule: the study separates estimator errors down to
+# 1e-4 from rounding, and the singleton-cluster check is exact only without float32's.
+def row_logsumexp(logits):
+  """[S, M] -> [S] float64; a row of only -inf (nothing attended) gives -inf, not NaN."""
+  logits = np.asarray(logits, np.float64)
+  top = logits.max(axis=-1)
+  safe = np.where(np.isfinite(top), top, 0.0)
+  with np.errstate(divide="ignore"):
+    return safe + np.log(np.exp(logits - safe[:, None]).sum(axis=-1))
+
+
 def partial(logits, values):
   """Softmax attention over one part: logits [S, M] (-inf = not attended), values [M, D] ->
   (lse [S], out [S, D]); a row with nothing attended gets lse -inf and out 0."""
-  logits = np.asarray(logits, np.float64)
-  top = logits.max(axis=-1, keepdims=True)
-  safe = np.where(np.isfinite(top), top, 0.0)
-  w = np.exp(logits - safe)
-  total = w.sum(axis=-1)
-  out = (w @ np.asarray(values, np.float64)) / np.maximum(total, 1e-300)[:, None]
-  with np.errstate(divide="ignore"):
-    return safe[:, 0] + np.log(total), out
+  lse = row_logsumexp(logits)
+  w = np.exp(np.asarray(logits, np.float64) - np.where(np.isfinite(lse), lse, 0.0)[:, None])
+  return lse, np.where(np.isfinite(lse)[:, None], w @ np.asarray(values, np.float64), 0.0)
 
 
 def merge(*parts):
@@ -179,7 +184,7 @@ def tail_partial(q, host_logits, selected, c: Clusters, *, scale: float, varianc
   if variance:
     logits = logits + 0.5 * scale ** 2 * (q.astype(np.float64) ** 2 @ c.key_var.T)
   logits = np.where(left > 0, logits, -np.inf)
-  lse, _ = partial(logits, np.zeros((logits.shape[1], 1)))
+  lse = row_logsumexp(logits)
   w = np.exp(logits - np.where(np.isfinite(lse), lse, 0.0)[:, None])  # [S, C] softmax over clusters
   per_key = np.where(left > 0, w / np.maximum(left, 1), 0.0)  # weight of each unselected member's value
   out = per_key @ c.value_sum - np.where(selected, per_key[:, c.labels], 0.0) @ c.values
@@ -191,30 +196,28 @@ def relative_error(out, ref):
   return np.linalg.norm(out - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
 
 
-def head_errors(queries, host: dict, device: tuple, *, scale: float, ks, variants):
+def head_errors(queries, host_keys, host_values, clusterings: dict, device: tuple, *, scale: float, ks, variants):
   """Errors of one query head over the S decode steps -> {name: [S]}.
 
-  queries [S + 2, D]: q at positions N-2 .. N+S-1 (row j + 2 is step j); host: {grouping: Clusters}
-  of the KV head's host keys (any one gives the keys and values, in its own order); device:
-  (logits [S, n_dev] with -inf past the causal limit, values [n_dev, D]). Names: sparse_<sel>@k,
-  tail_<grouping>_<sel>@k, tailvar_<grouping>_<sel>@k.
+  queries [S + 2, D]: q at positions N-2 .. N+S-1 (row j + 2 is step j); host_keys / host_values
+  [n, D]; clusterings: {grouping: Clusters of those keys}; device: (logits [S, n_dev] with -inf past
+  the causal limit, values [n_dev, D]). Names: sparse_<sel>@k, tail_<grouping>_<sel>@k,
+  tailvar_<grouping>_<sel>@k.
   """
   q64 = np.asarray(queries, np.float64)  # float64 scores: the singleton-cluster check is exact
+  logits = scale * (q64 @ np.asarray(host_keys, np.float64).T)  # [S + 2, n]
+  now = logits[2:]
   dev = partial(*device)
+  full = merge(dev, partial(now, host_values))
   out = {}
-  for grouping, c in host.items():
-    logits = scale * (q64 @ c.keys.T)  # [S + 2, n] in this clustering's order
-    now, lag2 = logits[2:], logits[:-2]
-    full = merge(dev, partial(now, c.values))
-    for sel, ranking in (("fresh", now), ("lag2", lag2)):
-      for k in ks:
-        selected = selection_mask(ranking, k)
-        chosen = partial(np.where(selected, now, -np.inf), c.values)
-        key = f"sparse_{sel}@{k}"
-        if key not in out:  # the same for every clustering
-          out[key] = relative_error(merge(dev, chosen), full)
+  for sel, ranking in (("fresh", now), ("lag2", logits[:-2])):
+    for k in ks:
+      selected = selection_mask(ranking, k)
+      chosen = partial(np.where(selected, now, -np.inf), host_values)
+      out[f"sparse_{sel}@{k}"] = relative_error(merge(dev, chosen), full)
+      for grouping, c in clusterings.items():
         for name, variance in variants:
-          tail = tail_partial(q64[2:], now, selected, c, scale=scale, variance=variance)
+          tail = tail_partial(q64[2:], now[:, c.order], selected[:, c.order], c, scale=scale, variance=variance)
           out[f"{name}_{grouping}_{sel}@{k}"] = relative_error(merge(dev, chosen, tail), full)
   return out
 
@@ -246,13 +249,14 @@ def layer_errors(q, k, v, layer, *, n, steps, sinks, window, scale, ks, grouping
   for g in range(Hkv):
     keys = k[layer, g, sinks:n - window].astype(np.float32)
     values = v[layer, g, sinks:n - window].astype(np.float32)
-    host = {g_name: Clusters(keys, values, *cluster_labels(keys, g_name, iters=iters, seed=seed))
-            for g_name in groupings}
+    clusterings = {name: Clusters(keys, values, *cluster_labels(keys, name, iters=iters, seed=seed))
+                   for name in groupings}
     dev_k, dev_v = k[layer, g, dev_pos].astype(np.float32), v[layer, g, dev_pos].astype(np.float32)
     for h in range(g * group, (g + 1) * group):
       qs = q[layer, h, n - 2:n + steps].astype(np.float64)
       dev_logits = np.where(causal, scale * (qs[2:] @ dev_k.T), -np.inf)
-      per_head.append(head_errors(qs, host, (dev_logits, dev_v), scale=scale, ks=ks, variants=variants))
+      per_head.append(head_errors(qs, keys, values, clusterings, (dev_logits, dev_v), scale=scale, ks=ks,
+                                  variants=variants))
   return {key: np.stack([r[key] for r in per_head]) for key in per_head[0]}
 
 
